@@ -1,0 +1,84 @@
+"""Shared fixtures: real fake workers and real gateways on 127.0.0.1, port 0.
+
+Every fixture stops what it started, so a test leaves no task or socket behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from vllm_gateway.app import create_app
+from vllm_gateway.config import GatewayConfig, ProbeConfig, WorkerSpec
+from vllm_gateway.fake_worker import FakeWorker, FakeWorkerConfig
+from vllm_gateway.server import RunningServer, start_server
+
+# Probes fast enough that a test sees state changes within a fraction of a second.
+FAST_PROBES = ProbeConfig(
+    interval=0.1, timeout=0.5, healthy_after=1, unhealthy_after=1, startup_wait=2.0
+)
+
+
+@pytest.fixture
+async def fake_worker() -> AsyncIterator[Callable[..., Awaitable[FakeWorker]]]:
+    """Factory: `await fake_worker(models=("m",), tpot_ms=5, ...)` starts a fake worker."""
+    started: list[FakeWorker] = []
+
+    async def make(**kwargs: Any) -> FakeWorker:
+        if "models" in kwargs and isinstance(kwargs["models"], str):
+            kwargs["models"] = (kwargs["models"],)
+        worker = FakeWorker(FakeWorkerConfig(**kwargs))
+        await worker.start("127.0.0.1", 0)
+        started.append(worker)
+        return worker
+
+    yield make
+    for w in started:
+        await w.stop()
+
+
+@pytest.fixture
+async def gateway() -> AsyncIterator[Callable[..., Awaitable[RunningServer]]]:
+    """Factory: `await gateway(workers=[w1, w2], policy=...)` starts a gateway on port 0.
+
+    `workers` may hold FakeWorkers or URLs; other keyword arguments are GatewayConfig fields.
+    """
+    started: list[RunningServer] = []
+
+    async def make(workers: list[Any] = (), **kwargs: Any) -> RunningServer:
+        specs = tuple(WorkerSpec(url=w if isinstance(w, str) else w.url) for w in workers)
+        kwargs.setdefault("probe", FAST_PROBES)
+        config = GatewayConfig(host="127.0.0.1", port=0, workers=specs, **kwargs)
+        server = await start_server(create_app(config), "127.0.0.1", 0, shutdown_timeout=1.0)
+        started.append(server)
+        return server
+
+    yield make
+    for s in started:
+        await s.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        yield session
+
+
+async def wait_until(
+    predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02
+) -> None:
+    """Wait until `predicate()` is true, or fail the test after `timeout` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(interval)
+
+
+def replace(config: Any, **changes: Any) -> Any:
+    return dataclasses.replace(config, **changes)

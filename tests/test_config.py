@@ -1,0 +1,137 @@
+"""Configuration: precedence, coercion, and one clear message per mistake."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_gateway.config import GatewayConfig, describe, load_config
+from vllm_gateway.errors import ConfigError
+
+
+def write(tmp_path, text: str):
+    p = tmp_path / "gateway.toml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_without_any_source():
+    c = load_config(None, env={})
+    assert c == GatewayConfig()
+    assert c.host == "127.0.0.1" and c.port == 8000 and c.policy == "queue"
+
+
+def test_file_then_env_then_cli_precedence(tmp_path):
+    path = write(
+        tmp_path,
+        """
+port = 9000
+policy = "round_robin"
+[log]
+format = "json"
+level = "debug"
+[[workers]]
+url = "http://10.0.0.5:8000/"
+models = ["llama"]
+[[workers]]
+url = "http://10.0.0.6:8000"
+""",
+    )
+    c = load_config(
+        path,
+        env={"VLLM_GATEWAY_PORT": "9100", "VLLM_GATEWAY_LOG_LEVEL": "warning"},
+        overrides={"port": 9200, "log": {"format": None}},
+    )
+    assert c.port == 9200  # CLI beats env beats file
+    assert c.log.level == "warning"  # env beats file
+    assert c.log.format == "json"  # a None override leaves the file's value
+    assert c.policy == "round_robin"
+    assert [w.url for w in c.workers] == ["http://10.0.0.5:8000/", "http://10.0.0.6:8000"]
+    assert c.workers[0].models == ("llama",)
+
+
+def test_env_workers_are_comma_separated_urls():
+    c = load_config(None, env={"VLLM_GATEWAY_WORKERS": "http://a:1, http://b:2"})
+    assert [w.url for w in c.workers] == ["http://a:1", "http://b:2"]
+
+
+def test_config_path_from_env(tmp_path):
+    path = write(tmp_path, "port = 7001\n")
+    assert load_config(None, env={"VLLM_GATEWAY_CONFIG": str(path)}).port == 7001
+
+
+def test_every_mistake_is_reported_once(tmp_path):
+    path = write(
+        tmp_path,
+        """
+port = 70000
+colour = "blue"
+[log]
+format = "xml"
+[timeouts]
+connect = -1
+idle = "soon"
+[[workers]]
+url = "ftp://x"
+[[workers]]
+url = "http://a:1"
+[[workers]]
+url = "http://a:1/"
+""",
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    problems = info.value.problems
+    text = "\n".join(problems)
+    assert "colour: unknown setting" in text
+    assert "timeouts.idle: expected a number, got 'soon'" in text
+    # Coercion errors stop before range checks; fix those first, then see the rest.
+    path = write(
+        tmp_path,
+        """
+port = 70000
+[log]
+format = "xml"
+[timeouts]
+connect = -1
+[[workers]]
+url = "ftp://x"
+[[workers]]
+url = "http://a:1"
+[[workers]]
+url = "http://a:1/"
+""",
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env={})
+    problems = info.value.problems
+    assert any(p.startswith("port: must be at most 65535") for p in problems)
+    assert any(p.startswith("log.format: must be one of auto, json, console") for p in problems)
+    assert any(p.startswith("timeouts.connect: must be at least 0") for p in problems)
+    assert any(p.startswith("workers[0].url:") and "http://" in p for p in problems)
+    assert any(p.startswith("workers[2].url:") and "twice" in p for p in problems)
+    assert len(problems) == 5
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(write(tmp_path, "port = = 1"), env={})
+    with pytest.raises(ConfigError, match="No such file"):
+        load_config(tmp_path / "missing.toml", env={})
+
+
+def test_env_booleans_and_numbers():
+    c = load_config(
+        None, env={"VLLM_GATEWAY_LOG_ACCESS_LOG": "yes", "VLLM_GATEWAY_TIMEOUTS_IDLE": "2.5"}
+    )
+    assert c.log.access_log is True and c.timeouts.idle == 2.5
+    with pytest.raises(ConfigError, match="expected true or false"):
+        load_config(None, env={"VLLM_GATEWAY_LOG_ACCESS_LOG": "maybe"})
+
+
+def test_describe_lists_every_setting_with_env_name():
+    rows = {r[0]: r for r in describe()}
+    assert rows["port"][5] == "VLLM_GATEWAY_PORT"
+    assert rows["log.format"][5] == "VLLM_GATEWAY_LOG_FORMAT"
+    assert rows["log.format"][4] == "--log-format"
+    assert rows["timeouts.idle"][3] == "seconds"
+    assert "workers[].url" in rows

@@ -1,0 +1,74 @@
+"""create_app(config): the one place where the gateway's objects are built and wired.
+
+Everything with a lifetime (the connection pool, the probes) starts and stops through
+`cleanup_ctx`, in order, so a test can build a whole gateway, run it on port 0 and stop it
+without leaving a task or a socket behind.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from vllm_gateway.config import GatewayConfig, normalize_url
+from vllm_gateway.dispatch import Dispatcher
+from vllm_gateway.errors import ConfigError
+from vllm_gateway.health import Prober
+from vllm_gateway.policies import check_policy_name, make_policy
+from vllm_gateway.relay import Relay
+from vllm_gateway.routes import Routes, error_middleware
+from vllm_gateway.upstream import UpstreamPool
+from vllm_gateway.workers import WorkerRegistry
+
+CONFIG = web.AppKey("config", GatewayConfig)
+REGISTRY = web.AppKey("registry", WorkerRegistry)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+PROBER = web.AppKey("prober", Prober)
+
+
+def check_app_config(config: GatewayConfig) -> None:
+    """Checks that need more than config.py knows (policy names); raise ConfigError."""
+    problem = check_policy_name(config.policy)
+    if problem:
+        raise ConfigError([f"policy: {problem}"])
+
+
+def create_app(config: GatewayConfig, *, rng: random.Random | None = None) -> web.Application:
+    """Build the gateway application for `config` (already validated by load_config)."""
+    check_app_config(config)
+    rng = rng or random.Random()
+    registry = WorkerRegistry()
+    for spec in config.workers:
+        registry.add(normalize_url(spec.url), models=spec.models, weight=spec.weight)
+    dispatcher = Dispatcher(
+        registry, make_policy(config.policy, rng), max_attempts=config.max_attempts, rng=rng
+    )
+    pool = UpstreamPool(config.timeouts.connect)
+    relay = Relay(pool, config.timeouts)
+    prober = Prober(registry, pool, config.probe)
+
+    app = web.Application(
+        middlewares=[error_middleware],
+        # aiohttp enforces this on bodies without Content-Length; routes check the header.
+        client_max_size=config.max_body_bytes,
+    )
+    app[CONFIG] = config
+    app[REGISTRY] = registry
+    app[DISPATCHER] = dispatcher
+    app[PROBER] = prober
+    Routes(registry, dispatcher, relay, config.max_body_bytes).add_to(app)
+
+    async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+        await pool.open()
+        yield
+        await pool.close()
+
+    async def prober_ctx(app: web.Application) -> AsyncIterator[None]:
+        await prober.start()
+        yield
+        await prober.stop()
+
+    app.cleanup_ctx.extend([upstream_ctx, prober_ctx])
+    return app

@@ -1,0 +1,213 @@
+"""The `vllm-gateway` command line: serve, demo, chat, fake-worker.
+
+Options default to None so that "not given" is distinguishable from a default: defaults
+live in config.py alone, and a flag only overrides what the config file and environment say.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import click
+
+from vllm_gateway import __version__
+from vllm_gateway.config import GatewayConfig, load_config
+from vllm_gateway.errors import ConfigError
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, prog_name="vllm-gateway")
+def main() -> None:
+    """One front door for many vLLM servers.
+
+    Relays OpenAI requests to the workers (vLLM servers) that serve the requested model,
+    streams answers back as they are generated, and sends each worker only as much as its
+    own queue says it can take.
+
+    \b
+    Try it without a GPU:   vllm-gateway demo
+    Run it for real:        vllm-gateway serve --worker http://10.0.0.5:8000 --worker ...
+    """
+
+
+def _load(config_path: str | None, overrides: dict[str, Any]) -> GatewayConfig:
+    from vllm_gateway.app import check_app_config
+
+    try:
+        config = load_config(config_path, overrides=overrides)
+        check_app_config(config)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    return config
+
+
+@main.command(context_settings=CONTEXT)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="TOML configuration file. Env: VLLM_GATEWAY_CONFIG.",
+)
+@click.option("--host", help="Address to listen on.  [default: 127.0.0.1]")
+@click.option("--port", type=int, help="Port to listen on.  [default: 8000]")
+@click.option(
+    "--worker",
+    "workers",
+    multiple=True,
+    metavar="URL",
+    help="A worker's base URL (repeatable); its models are learned from /v1/models.",
+)
+@click.option(
+    "--policy",
+    help="Dispatch policy: queue (default), least_inflight, round_robin, "
+    "random, ... (see docs/dispatch.md).",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["auto", "json", "console"]),
+    help="Log format.  [default: auto: console on a TTY, JSON lines otherwise]",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    help="Lowest level logged.  [default: info]",
+)
+@click.option(
+    "--access-log/--no-access-log",
+    default=None,
+    help="One JSON line per finished request.  [default: off]",
+)
+def serve(
+    config_path: str | None,
+    host: str | None,
+    port: int | None,
+    workers: tuple[str, ...],
+    policy: str | None,
+    log_format: str | None,
+    log_level: str | None,
+    access_log: bool | None,
+) -> None:
+    """Run the gateway in front of the given workers.
+
+    Settings come from, lowest precedence first: built-in defaults, the --config file,
+    VLLM_GATEWAY_* environment variables, then these options. Every setting is listed in
+    docs/configuration.md.
+    """
+    overrides = {
+        "host": host,
+        "port": port,
+        "workers": list(workers) or None,
+        "policy": policy,
+        "log": {"format": log_format, "level": log_level, "access_log": access_log},
+    }
+    config = _load(config_path, overrides)
+    from vllm_gateway.daemon import run_gateway
+
+    run_gateway(config)
+
+
+@main.command(context_settings=CONTEXT)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=int, help="Gateway port.")
+def demo(host: str, port: int) -> None:
+    """Start two fake vLLM workers and a gateway in front of them (no GPU needed).
+
+    Prints ready-to-paste curl and Python examples; Ctrl-C stops everything.
+    """
+    from vllm_gateway.demo import run_demo
+
+    run_demo(host, port)
+
+
+@main.command(context_settings=CONTEXT)
+@click.option(
+    "--gateway", default="http://127.0.0.1:8000", show_default=True, help="The gateway's base URL."
+)
+@click.option("--model", required=True, help="Model to ask.")
+@click.option("--max-tokens", type=int, default=None, help="Longest answer, in tokens.")
+@click.argument("prompt")
+def chat(gateway: str, model: str, max_tokens: int | None, prompt: str) -> None:
+    """Stream the answer to PROMPT to the terminal as it arrives (a smoke test)."""
+    from vllm_gateway.chat import stream_chat
+
+    try:
+        code = asyncio.run(stream_chat(gateway, model, prompt, max_tokens, sys.stdout))
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+@main.command("fake-worker", context_settings=CONTEXT)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8001, show_default=True, type=int, help="Port to listen on.")
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    default=("fake-model",),
+    show_default=True,
+    help="Served model name (repeatable; the first is the base model).",
+)
+@click.option("--lora", "loras", multiple=True, help="A LoRA adapter name (repeatable).")
+@click.option(
+    "--ttft-ms",
+    type=float,
+    default=20.0,
+    show_default=True,
+    help="Prefill time before the first token.",
+)
+@click.option(
+    "--tpot-ms", type=float, default=10.0, show_default=True, help="Time per output token."
+)
+@click.option(
+    "--max-num-seqs",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Requests generated at once; the rest wait (continuous batching).",
+)
+@click.option(
+    "--max-tokens",
+    type=int,
+    default=16,
+    show_default=True,
+    help="Answer length when the request gives no max_tokens.",
+)
+@click.option("--fault", default=None, help="A fault applied to every request (see docs).")
+@click.option("--api-key", default=None, help="Require this bearer token, like vLLM --api-key.")
+def fake_worker(
+    host: str,
+    port: int,
+    models: tuple[str, ...],
+    loras: tuple[str, ...],
+    ttft_ms: float,
+    tpot_ms: float,
+    max_num_seqs: int,
+    max_tokens: int,
+    fault: str | None,
+    api_key: str | None,
+) -> None:
+    """Run a stand-in for a vLLM server: same wire format, /metrics, batching, faults."""
+    from vllm_gateway.fake_worker import FakeWorkerConfig, run_forever
+    from vllm_gateway.server import new_event_loop
+
+    config = FakeWorkerConfig(
+        models=models,
+        lora_adapters=loras,
+        ttft_ms=ttft_ms,
+        tpot_ms=tpot_ms,
+        max_num_seqs=max_num_seqs,
+        max_tokens=max_tokens,
+        fault=fault,
+        api_key=api_key,
+    )
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        runner.run(run_forever(config, host, port))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

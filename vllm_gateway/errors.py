@@ -1,0 +1,154 @@
+"""The gateway's exceptions and the one mapping from them to HTTP and OpenAI error bodies.
+
+    Exception
+    ├── ConfigError                 a configuration that fails validation (never reaches HTTP)
+    └── GatewayError                anything the gateway itself answers with an error
+        ├── BadRequest          400 invalid_request_error
+        │   └── BodyTooLarge    413
+        ├── Unauthorized        401
+        ├── Forbidden           403
+        ├── ModelNotFound       404 model_not_found
+        ├── RouteNotFound       404 / 405 (no such endpoint or method)
+        ├── QueueFull           429 with Retry-After
+        ├── NoWorkerAvailable   503 with Retry-After
+        │   └── QueueTimeout    503 (waited in the admission queue too long)
+        └── UpstreamError       502 (a worker failed before answering)
+            ├── WorkerUnreachable   502, safe to retry: no request byte reached the worker
+            └── UpstreamTimeout     504
+
+Only `GatewayError`s become HTTP answers, and only `error_response` builds them, so every
+error a client sees has the OpenAI shape `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import orjson
+from aiohttp import web
+
+
+class ConfigError(Exception):
+    """The configuration has one or more mistakes; `problems` lists each on its own."""
+
+    def __init__(self, problems: Iterable[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+class GatewayError(Exception):
+    """An error the gateway answers itself. Subclasses fix status, type and code."""
+
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+    retry_after: float | None = None
+
+    def __init__(
+        self, message: str, *, param: str | None = None, retry_after: float | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if retry_after is not None:
+            self.retry_after = retry_after
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class BodyTooLarge(BadRequest):
+    status = 413
+    code = "request_too_large"
+
+
+class Unauthorized(GatewayError):
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "permission_error"
+
+
+class ModelNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class RouteNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "unknown_url"
+
+    def __init__(self, message: str, status: int = 404) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class QueueFull(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "queue_full"
+    retry_after = 1.0
+
+
+class NoWorkerAvailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_worker_available"
+    retry_after = 1.0
+
+
+class QueueTimeout(NoWorkerAvailable):
+    code = "queue_timeout"
+
+
+class UpstreamError(GatewayError):
+    status = 502
+    type = "upstream_error"
+    code = "worker_error"
+
+
+class WorkerUnreachable(UpstreamError):
+    """No byte of the request reached the worker: retrying elsewhere is safe."""
+
+    code = "worker_unreachable"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "worker_timeout"
+
+
+def error_body(
+    message: str, type: str, code: str | int | None = None, param: str | None = None
+) -> bytes:
+    """The OpenAI error body, as bytes."""
+    return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+def error_response(exc: GatewayError, request_id: str | None = None) -> web.Response:
+    """The one place a `GatewayError` becomes an HTTP response."""
+    headers = {}
+    if exc.retry_after is not None:
+        # Retry-After takes whole seconds; never tell a client to retry in 0 s.
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return web.Response(
+        status=exc.status,
+        body=error_body(exc.message, exc.type, exc.code, exc.param),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def sse_error_event(message: str, type: str = "upstream_error", code: str | None = None) -> bytes:
+    """An error as one SSE event, for a stream whose headers already went out."""
+    return b"data: " + error_body(message, type, code) + b"\n\n"

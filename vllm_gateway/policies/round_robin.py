@@ -1,0 +1,24 @@
+"""round_robin: each candidate in turn, whatever its load (the baseline to beat)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from vllm_gateway.request_info import RequestInfo
+from vllm_gateway.workers import Worker
+
+
+class RoundRobin:
+    """Cycles through the candidates; the counter is shared across models."""
+
+    name = "round_robin"
+
+    def __init__(self, rng: random.Random) -> None:
+        self._next = rng.randrange(1 << 16)  # start anywhere, so replicas do not march in step
+
+    def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
+        if not candidates:
+            return None
+        self._next += 1
+        return candidates[self._next % len(candidates)]

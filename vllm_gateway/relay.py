@@ -1,0 +1,203 @@
+"""Relay: one attempt of one request against one worker, its answer streamed back as is.
+
+The request body goes out as the same bytes the client sent. The answer comes back chunk by
+chunk as the worker writes it: status, content type and end-to-end headers kept, hop-by-hop
+headers dropped, SSE events never buffered or re-parsed. Timeouts: connect (in the pool),
+first byte (until the worker's headers), idle (between two body chunks), total.
+
+Failure rules: before the response headers reach the client, a failure raises a
+`GatewayError` (the handler answers with an OpenAI error body; `WorkerUnreachable` may be
+retried elsewhere). After that, the stream is ended with an SSE error event (for event
+streams) and the connection is closed, so the client can tell it was cut short.
+A client that goes away cancels the handler; leaving this function then closes the worker
+connection, which makes vLLM abort the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from vllm_gateway import dispatch
+from vllm_gateway.config import TimeoutConfig
+from vllm_gateway.dispatch import Lease
+from vllm_gateway.errors import UpstreamError, UpstreamTimeout, WorkerUnreachable, sse_error_event
+from vllm_gateway.log import get_logger
+from vllm_gateway.upstream import UpstreamPool
+
+log = get_logger("vllm_gateway.relay")
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and the ones the HTTP layers on each side set.
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Proxy-Connection",
+        "Host",
+        "Content-Length",
+    )
+)
+
+
+def upstream_headers(
+    client_headers: Mapping[str, str],
+    request_id: str,
+    *,
+    forward_authorization: bool,
+    worker_api_key: str | None,
+) -> CIMultiDict[str]:
+    """The headers to send the worker: the client's end-to-end ones, and our request id.
+
+    The client's `Authorization` is the client's credential for the gateway; it is passed on
+    only when configured. A worker's own key (vLLM --api-key) replaces it when set.
+    """
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in client_headers.items():
+        lower = name.lower()
+        if lower in HOP_BY_HOP or lower == "x-request-id":
+            continue
+        if lower == "authorization" and not forward_authorization:
+            continue
+        out.add(name, value)
+    if worker_api_key:
+        out["Authorization"] = f"Bearer {worker_api_key}"
+    out["X-Request-Id"] = request_id
+    return out
+
+
+def client_headers(worker_headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
+    """The headers to send the client: the worker's end-to-end ones, and the request id."""
+    out: CIMultiDict[str] = CIMultiDict()
+    for name, value in worker_headers.items():
+        if name.lower() not in HOP_BY_HOP:
+            out.add(name, value)
+    out["X-Request-Id"] = request_id
+    return out
+
+
+class Relay:
+    """Sends one attempt to a worker over the shared pool and streams the answer back."""
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        timeouts: TimeoutConfig,
+        *,
+        forward_authorization: bool = False,
+        worker_api_key: str | None = None,
+    ) -> None:
+        self.pool = pool
+        self.timeouts = timeouts
+        self.forward_authorization = forward_authorization
+        self.worker_api_key = worker_api_key
+
+    async def forward(self, request: web.Request, lease: Lease) -> web.StreamResponse:
+        """Relay `lease.info` to `lease.worker`; return the (finished) client response."""
+        info = lease.info
+        headers = upstream_headers(
+            request.headers,
+            info.request_id,
+            forward_authorization=self.forward_authorization,
+            worker_api_key=self.worker_api_key,
+        )
+        t = self.timeouts
+        try:
+            async with asyncio.timeout(t.first_byte or None):
+                upstream = await self.pool.session.request(
+                    "POST",
+                    lease.worker.url + info.path,
+                    data=info.body,
+                    headers=headers,
+                    allow_redirects=False,
+                )
+        except aiohttp.ClientConnectorError as e:
+            raise WorkerUnreachable(
+                f"Worker {lease.worker.url} could not be reached: {e.os_error or e}"
+            ) from None
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"Worker {lease.worker.url} sent no answer within {t.first_byte:g} s."
+            ) from None
+        except aiohttp.ClientError as e:
+            raise UpstreamError(f"Worker {lease.worker.url} failed: {e}") from None
+
+        lease.status = upstream.status
+        try:
+            response = web.StreamResponse(
+                status=upstream.status,
+                reason=upstream.reason,
+                headers=client_headers(upstream.headers, info.request_id),
+            )
+            if upstream.content_length is not None:
+                response.content_length = upstream.content_length
+            await response.prepare(request)
+            await self._copy_body(request, upstream, response, lease)
+            return response
+        finally:
+            # Not read to the end (client gone, timeout, error): close the connection
+            # rather than return it to the pool, so the worker sees the abort.
+            upstream.close() if not upstream.content.at_eof() else upstream.release()
+
+    async def _copy_body(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        response: web.StreamResponse,
+        lease: Lease,
+    ) -> None:
+        idle = self.timeouts.idle or None
+        content = upstream.content
+        try:
+            while True:
+                async with asyncio.timeout(idle):
+                    chunk = await content.readany()
+                if not chunk:
+                    break
+                await response.write(chunk)
+        except TimeoutError:
+            lease.outcome = dispatch.TIMEOUT
+            message = f"Worker {lease.worker.url} sent nothing for {idle:g} s."
+        except (
+            aiohttp.ClientPayloadError,
+            aiohttp.ServerDisconnectedError,
+            aiohttp.ClientOSError,
+        ) as e:
+            lease.outcome = dispatch.BROKEN
+            message = f"Worker {lease.worker.url} failed mid-answer: {e}"
+        else:
+            await response.write_eof()
+            return
+        await self._cut_short(request, response, upstream, message)
+
+    @staticmethod
+    async def _cut_short(
+        request: web.Request,
+        response: web.StreamResponse,
+        upstream: aiohttp.ClientResponse,
+        message: str,
+    ) -> None:
+        """End a response whose headers already went out, so the client sees it failed.
+
+        An event stream gets an SSE error event and a proper end (OpenAI clients raise on
+        it); any other body is cut by closing the connection, which every HTTP client
+        reports as an incomplete answer.
+        """
+        log.warning("relay cut short", reason=message)
+        if upstream.content_type == "text/event-stream":
+            await response.write(sse_error_event(message))
+            await response.write_eof()
+            return
+        response.force_close()
+        if request.transport is not None:
+            request.transport.close()

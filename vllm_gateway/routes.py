@@ -1,0 +1,199 @@
+"""HTTP routes: the OpenAI-compatible relay and the fleet's read-only endpoints.
+
+    POST /v1/{anything} (and vLLM's root-level model endpoints)  -> relay to a worker
+    GET  /v1/models                -> union of the ready workers' models, OpenAI list format
+    GET  /health                   -> 200 with a summary when a worker is ready, else 503
+    GET  /list_workers             -> every worker: url, models, state, in-flight, reported load
+    GET|POST /list_models          -> {"models": [...]}, as FastChat's controller answers
+
+The relay handler reads top-down: read the body, build the `RequestInfo`, take a lease on a
+worker, relay. Errors become OpenAI error bodies in `error_middleware`, the one place.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from vllm_gateway.dispatch import UNREACHABLE, Dispatcher
+from vllm_gateway.errors import (
+    BodyTooLarge,
+    GatewayError,
+    RouteNotFound,
+    WorkerUnreachable,
+    error_response,
+)
+from vllm_gateway.log import bind_request, clear_request, get_logger
+from vllm_gateway.relay import Relay
+from vllm_gateway.request_info import parse_request
+from vllm_gateway.workers import Worker, WorkerRegistry, WorkerState
+
+log = get_logger("vllm_gateway.routes")
+
+# vLLM serves these model endpoints outside /v1/; everything under /v1/ is relayed anyway.
+ROOT_MODEL_PATHS = (
+    "/tokenize",
+    "/detokenize",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+    "/invocations",
+)
+
+_REQUEST_ID_PREFIX = os.urandom(4).hex()
+_request_counter = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """A unique, cheap request id: a per-process random prefix and a counter."""
+    return f"gw-{_REQUEST_ID_PREFIX}-{next(_request_counter):x}"
+
+
+def json_response(doc: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Turn every error the gateway answers itself into an OpenAI error body."""
+    try:
+        return await handler(request)
+    except GatewayError as e:
+        return error_response(e, request.get("request_id"))
+    except web.HTTPRequestEntityTooLarge as e:
+        return error_response(BodyTooLarge(f"The request body is too large: {e.text}"))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        if e.status in (404, 405):
+            return error_response(
+                RouteNotFound(f"{request.method} {request.path} is not served here.", e.status)
+            )
+        err = GatewayError(e.reason)
+        err.status = e.status
+        return error_response(err)
+
+
+class Routes:
+    """The request handlers, bound to the objects `create_app` built."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        dispatcher: Dispatcher,
+        relay: Relay,
+        max_body_bytes: int,
+    ) -> None:
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.relay = relay
+        self.max_body_bytes = max_body_bytes
+        self.started = time.time()
+
+    def add_to(self, app: web.Application) -> None:
+        r = app.router
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/list_workers", self.list_workers)
+        r.add_get("/list_models", self.list_models)
+        r.add_post("/list_models", self.list_models)
+        r.add_post("/v1/{tail:.*}", self.relay_request)
+        for path in ROOT_MODEL_PATHS:
+            r.add_post(path, self.relay_request)
+
+    # --- the relay -------------------------------------------------------------------------
+
+    async def relay_request(self, request: web.Request) -> web.StreamResponse:
+        """Relay one OpenAI request to a worker serving its model."""
+        request_id = request.headers.get("X-Request-Id") or new_request_id()
+        request["request_id"] = request_id
+        body = await self._read_body(request)
+        info = parse_request(request.path_qs, body, request_id, request.headers)
+        bind_request(request_id=request_id, model=info.model)
+        tried: list[Worker] = []
+        try:
+            while True:
+                async with self.dispatcher.lease(info, exclude=tried) as lease:
+                    try:
+                        return await self.relay.forward(request, lease)
+                    except WorkerUnreachable as e:
+                        lease.outcome = UNREACHABLE
+                        tried.append(lease.worker)
+                        if not self.dispatcher.may_retry(len(tried)):
+                            raise
+                        log.warning(
+                            "worker unreachable, retrying elsewhere",
+                            worker=lease.worker.url,
+                            error=e.message,
+                        )
+        finally:
+            clear_request()
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        length = request.content_length
+        if length is not None and length > self.max_body_bytes:
+            raise BodyTooLarge(
+                f"The request body is {length} bytes; the limit is {self.max_body_bytes}."
+            )
+        return await request.read()
+
+    # --- fleet endpoints -------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: the union of the ready workers' models."""
+        created = int(self.started)
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "vllm-gateway"}
+            for m in self.registry.ready_models()
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        """GET/POST /list_models, FastChat's controller shape."""
+        return json_response({"models": self.registry.ready_models()})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when at least one worker is ready, 503 otherwise; a summary either way."""
+        counts: dict[str, int] = {s.value: 0 for s in WorkerState if s is not WorkerState.REMOVED}
+        for w in self.registry:
+            counts[w.state.value] += 1
+        ready = counts[WorkerState.READY.value]
+        doc = {
+            "status": "ok" if ready else "unavailable",
+            "workers": counts,
+            "models": self.registry.ready_models(),
+        }
+        return json_response(doc, 200 if ready else 503)
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        """Every worker with its state, models, in-flight count and last reported load."""
+        now = time.monotonic()
+        return json_response({"workers": [describe_worker(w, now) for w in self.registry]})
+
+
+def describe_worker(w: Worker, now: float) -> dict[str, object]:
+    """One worker as /list_workers shows it."""
+    stats = w.stats
+    return {
+        "url": w.url,
+        "models": sorted(w.models),
+        "state": w.state.value,
+        "state_reason": w.state_reason,
+        "source": w.source,
+        "weight": w.weight,
+        "inflight": w.inflight,
+        "running": stats.running if stats else None,
+        "waiting": stats.waiting if stats else None,
+        "kv_cache_usage": stats.kv_cache_usage if stats else None,
+        "stats_age_seconds": round(now - stats.at, 3) if stats else None,
+        "completed": w.completed,
+        "failed": w.failed,
+    }

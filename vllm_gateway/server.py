@@ -1,0 +1,87 @@
+"""Running an aiohttp application on a socket, and a process's event loop and signals.
+
+`start_server` is what the CLI, the demo and the tests share: an app on host:port (port 0
+picks a free one), with handler cancellation on, so a client that goes away cancels its
+handler and, through it, the upstream request. `run_until_signal` runs a coroutine factory
+on uvloop (when installed) until SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+
+class RunningServer:
+    """An application listening on a socket."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int) -> None:
+        self.runner = runner
+        self.host = host
+        self.port = port
+
+    @property
+    def app(self) -> web.Application:
+        return self.runner.app
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_server(
+    app: web.Application,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    reuse_port: bool = False,
+    shutdown_timeout: float = 5.0,
+) -> RunningServer:
+    """Start serving `app`; return once it listens (its startup hooks have run)."""
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,  # a departed client cancels its handler (and the relay)
+        access_log=None,  # the gateway writes its own, structured and opt-in
+        shutdown_timeout=shutdown_timeout,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=4096)
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return RunningServer(runner, host, bound)
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop where it is installed (it is a dependency on Linux), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is installed on every supported platform
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def run_until_signal(main: Callable[[asyncio.Event], Awaitable[None]]) -> None:
+    """Run `main(stop)` on a fresh loop; SIGINT/SIGTERM set `stop`. Returns when main does."""
+
+    async def runner() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await main(stop)
+
+    with asyncio.Runner(loop_factory=new_event_loop) as r:
+        r.run(runner())

@@ -1,0 +1,193 @@
+"""The one source of truth for the fleet: each `Worker`, its state, and the registry of them.
+
+Background tasks (probes, scrapes, registration) and the dispatcher change worker state only
+through `WorkerRegistry` methods. Each transition method answers "did anything change?" and
+logs only when it did, so logs show the fleet's history and not its heartbeat.
+
+States: joining (known, not yet seen healthy) -> ready -> draining -> removed, plus
+unhealthy (failed probes or an open circuit). Only ready workers take new requests.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from vllm_gateway.log import get_logger
+
+log = get_logger("vllm_gateway.workers")
+
+
+class WorkerState(enum.StrEnum):
+    JOINING = "joining"
+    READY = "ready"
+    DRAINING = "draining"
+    UNHEALTHY = "unhealthy"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """One scrape of a worker's /metrics, summed over its engines."""
+
+    running: float  # vllm:num_requests_running
+    waiting: float  # vllm:num_requests_waiting
+    kv_cache_usage: float | None  # vllm:kv_cache_usage_perc, 0..1, None when not reported
+    at: float  # time.monotonic() of the scrape
+
+
+class Worker:
+    """One vLLM server behind the gateway, and what the gateway knows of it right now."""
+
+    __slots__ = (
+        "added_at",
+        "completed",
+        "failed",
+        "inflight",
+        "models",
+        "pinned_models",
+        "sent_since_scrape",
+        "source",
+        "state",
+        "state_reason",
+        "stats",
+        "url",
+        "weight",
+    )
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        models: Iterable[str] = (),
+        weight: float = 1.0,
+        source: str = "static",
+    ) -> None:
+        self.url = url
+        # Pinned models are the operator's word: probes do not change them.
+        self.pinned_models: frozenset[str] = frozenset(models)
+        self.models: frozenset[str] = self.pinned_models
+        self.weight = weight
+        self.source = source  # static | registered | dns | admin
+        self.state = WorkerState.JOINING
+        self.state_reason = "added"
+        self.inflight = 0  # requests the gateway has sent and not yet seen finish
+        self.sent_since_scrape = 0  # requests sent since `stats` was taken
+        self.stats: EngineStats | None = None
+        self.completed = 0
+        self.failed = 0
+        self.added_at = time.monotonic()
+
+    @property
+    def available(self) -> bool:
+        """May take a new request: ready (not joining, draining, unhealthy or removed)."""
+        return self.state is WorkerState.READY
+
+    def __repr__(self) -> str:
+        return f"Worker({self.url!r}, {self.state}, inflight={self.inflight})"
+
+
+class WorkerRegistry:
+    """All workers by URL, with a cached model -> workers index for the hot path."""
+
+    def __init__(self) -> None:
+        self._workers: dict[str, Worker] = {}
+        self._by_model: dict[str, tuple[Worker, ...]] | None = None
+        # Called (without arguments) after any change that may give a waiting request a
+        # worker: a worker became ready, gained a model, or was added.
+        self.listeners: list[Callable[[], None]] = []
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url)
+
+    def serving(self, model: str) -> tuple[Worker, ...]:
+        """Workers (in any state but removed) that serve `model`."""
+        index = self._by_model
+        if index is None:
+            index = self._by_model = self._index()
+        return index.get(model, ())
+
+    def known_models(self) -> list[str]:
+        """Every model some worker serves, whatever its state; sorted."""
+        index = self._by_model if self._by_model is not None else self._index()
+        return sorted(index)
+
+    def ready_models(self) -> list[str]:
+        """Models with at least one ready worker; sorted."""
+        return sorted({m for w in self._workers.values() if w.available for m in w.models})
+
+    def _index(self) -> dict[str, tuple[Worker, ...]]:
+        index: dict[str, list[Worker]] = {}
+        for w in self._workers.values():
+            for m in w.models:
+                index.setdefault(m, []).append(w)
+        return {m: tuple(ws) for m, ws in index.items()}
+
+    # --- changing --------------------------------------------------------------------------
+
+    def add(
+        self, url: str, *, models: Iterable[str] = (), weight: float = 1.0, source: str = "static"
+    ) -> tuple[Worker, bool]:
+        """Add a worker (joining) unless known; return it and whether it was new."""
+        worker = self._workers.get(url)
+        if worker is not None:
+            return worker, False
+        worker = Worker(url, models=models, weight=weight, source=source)
+        self._workers[url] = worker
+        self._changed()
+        log.info("worker added", worker=url, source=source, models=sorted(worker.models))
+        return worker, True
+
+    def remove(self, url: str, reason: str) -> Worker | None:
+        """Forget a worker; requests already relayed to it finish. Return it, or None."""
+        worker = self._workers.pop(url, None)
+        if worker is None:
+            return None
+        worker.state = WorkerState.REMOVED
+        worker.state_reason = reason
+        self._changed()
+        log.info("worker removed", worker=url, reason=reason)
+        return worker
+
+    def set_state(self, worker: Worker, state: WorkerState, reason: str) -> bool:
+        """Move a worker to `state`; log and return True only if that is a change."""
+        if worker.state is state or worker.state is WorkerState.REMOVED:
+            return False
+        old = worker.state
+        worker.state = state
+        worker.state_reason = reason
+        self._changed()
+        log.info("worker state", worker=worker.url, old=str(old), new=str(state), reason=reason)
+        return True
+
+    def set_models(self, worker: Worker, models: Iterable[str]) -> bool:
+        """Record the models a worker reports serving (ignored when pinned by config)."""
+        if worker.pinned_models:
+            return False
+        new = frozenset(models)
+        if new == worker.models:
+            return False
+        worker.models = new
+        self._changed()
+        log.info("worker models", worker=worker.url, models=sorted(new))
+        return True
+
+    def set_stats(self, worker: Worker, stats: EngineStats) -> None:
+        """Record a scrape; requests sent before it are now part of what it reports."""
+        worker.stats = stats
+        worker.sent_since_scrape = 0
+
+    def _changed(self) -> None:
+        self._by_model = None
+        for listener in self.listeners:
+            listener()
