@@ -110,6 +110,24 @@ def serve(
     run_gateway(config)
 
 
+@main.command("check-config", context_settings=CONTEXT)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="TOML configuration file. Env: VLLM_GATEWAY_CONFIG.",
+)
+def check_config(config_path: str | None) -> None:
+    """Validate the configuration (file + environment) and print it as the gateway sees it.
+
+    Exits 1 with one line per mistake when it is invalid, like `nginx -t`.
+    """
+    from vllm_gateway.config import effective_toml
+
+    config = _load(config_path, {})
+    click.echo(effective_toml(config), nl=False)
+
+
 @main.command(context_settings=CONTEXT)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Gateway port.")

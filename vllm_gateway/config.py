@@ -492,6 +492,53 @@ def _describe(cls: type, where: str, env_prefix: str, rows: list) -> None:
         )
 
 
+def effective_toml(config: GatewayConfig) -> str:
+    """The configuration as a TOML document, secrets masked (for `check-config`)."""
+    top: list[str] = []
+    sections: list[str] = []
+    _emit(config, "", top, sections)
+    return "".join(top) + "".join(sections)
+
+
+def _emit(obj: Any, name: str, top: list[str], sections: list[str]) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            sub: list[str] = []
+            _emit(value, f"{name}{f.name}.", sub, sections)
+            sections.append(f"\n[{name}{f.name}]\n" + "".join(sub))
+        elif isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
+            for item in value:
+                sub = []
+                _emit(item, "", sub, [])
+                sections.append(f"\n[[{name}{f.name}]]\n" + "".join(sub))
+        elif isinstance(value, dict) and all(dataclasses.is_dataclass(v) for v in value.values()):
+            for key, item in value.items():
+                sub = []
+                _emit(item, "", sub, [])
+                sections.append(f'\n[{name}{f.name}."{key}"]\n' + "".join(sub))
+        else:
+            shown = '"***"' if f.metadata.get("secret") and value else toml_value(value)
+            if value is None:
+                continue
+            top.append(f"{f.name} = {shown}\n")
+
+
+def toml_value(value: Any) -> str:
+    """A value as it would be written in the TOML file."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace('"', '\\"') + '"'
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f'"{k}" = {toml_value(v)}' for k, v in value.items()) + "}"
+    if value is None:
+        return "(unset)"
+    return repr(value)
+
+
 def _type_name(tp: Any) -> str:
     item = _tuple_item(tp)
     if item is not None:

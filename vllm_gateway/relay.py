@@ -16,6 +16,7 @@ connection, which makes vLLM abort the generation.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 
 import aiohttp
@@ -86,6 +87,14 @@ def client_headers(worker_headers: Mapping[str, str], request_id: str) -> CIMult
     return out
 
 
+def _within(limit: float, total: float, started: float) -> float | None:
+    """The tighter of a limit and what remains of the total budget; None when neither."""
+    if not total:
+        return limit or None
+    remaining = max(0.001, started + total - time.monotonic())
+    return min(limit, remaining) if limit else remaining
+
+
 class Relay:
     """Sends one attempt to a worker over the shared pool and streams the answer back."""
 
@@ -112,8 +121,9 @@ class Relay:
             worker_api_key=self.worker_api_key,
         )
         t = self.timeouts
+        first_byte = _within(t.first_byte, t.total, lease.started)
         try:
-            async with asyncio.timeout(t.first_byte or None):
+            async with asyncio.timeout(first_byte):
                 upstream = await self.pool.session.request(
                     "POST",
                     lease.worker.url + info.path,
@@ -127,7 +137,7 @@ class Relay:
             ) from None
         except TimeoutError:
             raise UpstreamTimeout(
-                f"Worker {lease.worker.url} sent no answer within {t.first_byte:g} s."
+                f"Worker {lease.worker.url} sent no answer within {first_byte:g} s."
             ) from None
         except aiohttp.ClientError as e:
             raise UpstreamError(f"Worker {lease.worker.url} failed: {e}") from None
@@ -156,10 +166,12 @@ class Relay:
         response: web.StreamResponse,
         lease: Lease,
     ) -> None:
-        idle = self.timeouts.idle or None
+        t = self.timeouts
         content = upstream.content
+        idle: float | None = None
         try:
             while True:
+                idle = _within(t.idle, t.total, lease.started)
                 async with asyncio.timeout(idle):
                     chunk = await content.readany()
                 if not chunk:
@@ -167,7 +179,10 @@ class Relay:
                 await response.write(chunk)
         except TimeoutError:
             lease.outcome = dispatch.TIMEOUT
-            message = f"Worker {lease.worker.url} sent nothing for {idle:g} s."
+            if t.total and time.monotonic() >= lease.started + t.total - 0.01:
+                message = f"The request took longer than the {t.total:g} s limit."
+            else:
+                message = f"Worker {lease.worker.url} sent nothing for {idle:g} s."
         except (
             aiohttp.ClientPayloadError,
             aiohttp.ServerDisconnectedError,
