@@ -1,0 +1,88 @@
+"""The simulated engine: batching slots, prefill/decode timing, and the metrics they feed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from vllm_gateway.fake_worker.config import FakeWorkerConfig
+from vllm_gateway.fake_worker.metrics import EngineMetrics
+from vllm_gateway.fake_worker.scheduler import Scheduler
+from vllm_gateway.fake_worker.stats import FakeStats
+
+
+async def _sleep_until(deadline: float) -> None:
+    # Pace from a fixed start so per-token jitter does not add up over a long answer.
+    await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
+
+
+class Engine:
+    """Runs requests like vLLM's engine would time them, one coroutine per request."""
+
+    def __init__(self, config: FakeWorkerConfig, stats: FakeStats) -> None:
+        self.config = config
+        self.scheduler = Scheduler(config.max_num_seqs, stats)
+        self.metrics = EngineMetrics(
+            config.base_model, len(config.lora_adapters), config.legacy_metrics
+        )
+
+    async def generate(
+        self,
+        arrival: float,
+        model: str,
+        prompt: int,
+        n: int,
+        on_token: Callable[[int], Awaitable[None]] | None,
+    ) -> None:
+        """Wait for a slot, prefill for ttft, then make n tokens at one per tpot.
+
+        `on_token(i)` runs as token i is made, still holding the slot (a stalled
+        writer keeps its sequence in the batch, as in vLLM). `arrival` is the
+        loop.time() the request came in, for the TTFT and latency histograms.
+        """
+        loop = asyncio.get_running_loop()
+        ttft, tpot = self.config.ttft_ms / 1000, self.config.tpot_ms / 1000
+        m = self.metrics
+        async with self.scheduler.slot(model):
+            start = loop.time()
+            m.prompt_tokens += prompt
+            if on_token is None:
+                # Nobody watches the tokens: sleep straight to the first and the last.
+                await _sleep_until(start + ttft)
+                first = loop.time()
+                m.ttft.observe(first - arrival)
+                await _sleep_until(start + ttft + (n - 1) * tpot)
+                m.generation_tokens += n
+            else:
+                for i in range(n):
+                    await _sleep_until(start + ttft + i * tpot)
+                    if i == 0:
+                        first = loop.time()
+                        m.ttft.observe(first - arrival)
+                    m.generation_tokens += 1
+                    await on_token(i)
+        end = loop.time()
+        m.finished["length"] += 1
+        m.e2e.observe(end - arrival)
+        if n > 1:
+            m.tpot.observe((end - first) / (n - 1))
+
+    async def prefill(self, model: str, prompt: int) -> None:
+        """Pooling requests (embed, score, rerank) hold a slot for one prefill."""
+        async with self.scheduler.slot(model):
+            self.metrics.prompt_tokens += prompt
+            await asyncio.sleep(self.config.ttft_ms / 1000)
+
+    def count_abort(self) -> None:
+        self.metrics.finished["abort"] += 1
+
+    def metrics_page(self) -> str:
+        sched = self.scheduler
+        lora = set(self.config.lora_adapters)
+        return self.metrics.render(
+            running=sched.running,
+            waiting=sched.waiting,
+            max_num_seqs=sched.max_num_seqs,
+            running_loras=[m for m in sched.running_models() if m in lora],
+            waiting_loras=[m for m in sched.waiting_models() if m in lora],
+        )
