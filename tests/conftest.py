@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from vllm_gateway.app import create_app
@@ -61,6 +62,23 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[RunningServer]]]:
     yield make
     for s in started:
         await s.stop()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Callable[..., openai.AsyncOpenAI]]:
+    """Factory: `client(gw)` is the official openai SDK pointed at a gateway (or worker)."""
+    made: list[openai.AsyncOpenAI] = []
+
+    def make(server: Any, **kwargs: Any) -> openai.AsyncOpenAI:
+        kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("timeout", 20)
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", **kwargs)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await c.close()
 
 
 @pytest.fixture

@@ -182,7 +182,9 @@ async def test_stream_framing_is_chunked_sse_one_event_per_token_paced(
     assert times[-1] - times[0] < 4 * tpot + 0.5
 
 
-async def test_errors_have_openai_shape(make_worker: MakeWorker, http: aiohttp.ClientSession) -> None:
+async def test_errors_have_openai_shape(
+    make_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
     worker = await make_worker()
     url = worker.url + "/v1/completions"
     cases = [
@@ -323,7 +325,9 @@ async def test_metrics_page_is_vllm_shaped(
         assert len(buckets) > 5 and buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 1
     lora = fams["vllm:lora_requests_info"].samples[0].labels
     assert {"running_lora_adapters", "waiting_lora_adapters"} <= set(lora)
-    assert any(n.startswith("python_") for n in fams) and any(n.startswith("process_") for n in fams)
+    assert any(n.startswith("python_") for n in fams) and any(
+        n.startswith("process_") for n in fams
+    )
 
 
 # --- continuous batching and aborts ---------------------------------------------------------

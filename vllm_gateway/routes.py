@@ -46,6 +46,7 @@ ROOT_MODEL_PATHS = (
     "/invocations",
 )
 
+REQUEST_ID = web.RequestKey("request_id", str)
 _REQUEST_ID_PREFIX = os.urandom(4).hex()
 _request_counter = itertools.count(1)
 
@@ -67,7 +68,7 @@ async def error_middleware(
     try:
         return await handler(request)
     except GatewayError as e:
-        return error_response(e, request.get("request_id"))
+        return error_response(e, request.get(REQUEST_ID))
     except web.HTTPRequestEntityTooLarge as e:
         return error_response(BodyTooLarge(f"The request body is too large: {e.text}"))
     except web.HTTPException as e:
@@ -114,7 +115,7 @@ class Routes:
     async def relay_request(self, request: web.Request) -> web.StreamResponse:
         """Relay one OpenAI request to a worker serving its model."""
         request_id = request.headers.get("X-Request-Id") or new_request_id()
-        request["request_id"] = request_id
+        request[REQUEST_ID] = request_id
         body = await self._read_body(request)
         info = parse_request(request.path_qs, body, request_id, request.headers)
         bind_request(request_id=request_id, model=info.model)
@@ -122,6 +123,7 @@ class Routes:
         try:
             while True:
                 async with self.dispatcher.lease(info, exclude=tried) as lease:
+                    bind_request(worker=lease.worker.url)
                     try:
                         return await self.relay.forward(request, lease)
                     except WorkerUnreachable as e:

@@ -1,0 +1,191 @@
+"""The command line, run as a user runs it: real processes, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from vllm_gateway.cli import main
+from vllm_gateway.config_docs import render_reference
+
+pytestmark = pytest.mark.timeout(60)
+DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_help_explains_every_command():
+    runner = CliRunner()
+    result = runner.invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for command in ("serve", "demo", "chat", "fake-worker", "check-config"):
+        assert command in result.output
+    result = runner.invoke(main, ["serve", "--help"])
+    assert result.exit_code == 0
+    for flag in (
+        "--host",
+        "--port",
+        "--worker",
+        "--config",
+        "--policy",
+        "--log-format",
+        "--log-level",
+    ):
+        assert flag in result.output
+
+
+def test_check_config_reports_each_mistake(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text('port = "eighty"\n[timeouts]\nconnect = -2\nbogus = 1\n')
+    result = CliRunner().invoke(main, ["check-config", "--config", str(path)])
+    assert result.exit_code == 1
+    assert "port: expected an integer" in result.output
+    assert "timeouts.bogus: unknown setting" in result.output
+    result = CliRunner().invoke(main, ["check-config"], env={"VLLM_GATEWAY_POLICY": "nope"})
+    assert result.exit_code == 1 and "unknown policy 'nope'" in result.output
+    good = tmp_path / "good.toml"
+    good.write_text('port = 9001\n[[workers]]\nurl = "http://10.0.0.5:8000"\n')
+    result = CliRunner().invoke(main, ["check-config", "--config", str(good)], env={})
+    assert result.exit_code == 0 and "port = 9001" in result.output
+    assert 'url = "http://10.0.0.5:8000"' in result.output
+
+
+def test_configuration_reference_is_current():
+    with open(DOCS) as f:
+        assert f.read() == render_reference(), (
+            "docs/configuration.md is stale: python -m vllm_gateway.config_docs > "
+            "docs/configuration.md"
+        )
+
+
+async def _read_until(stream: asyncio.StreamReader, needle: str, timeout: float) -> str:
+    seen = ""
+    async with asyncio.timeout(timeout):
+        while needle not in seen:
+            line = await stream.readline()
+            if not line:
+                raise AssertionError(f"process ended before printing {needle!r}: {seen}")
+            seen += line.decode()
+    return seen
+
+
+async def _wait_http(http, url: str, timeout: float = 15.0) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                async with http.get(url) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            await asyncio.sleep(0.1)
+
+
+async def test_serve_from_environment_logs_json_and_stops_on_sigterm(fake_worker, http):
+    w = await fake_worker(models="m")
+    port = free_port()
+    env = {**os.environ, "VLLM_GATEWAY_WORKERS": w.url, "VLLM_GATEWAY_PORT": str(port)}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "vllm_gateway",
+        "serve",
+        "--log-level",
+        "info",
+        env=env,
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        await _wait_http(http, f"http://127.0.0.1:{port}/health")
+        async with http.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": "m", "prompt": "x", "max_tokens": 2},
+        ) as r:
+            assert r.status == 200
+            assert (await r.json())["choices"][0]["text"] == " w0 w1"
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    lines = (await proc.stderr.read()).decode().splitlines()
+    events = [json.loads(line) for line in lines]  # not a TTY: one JSON object per line
+    assert any(e["event"] == "gateway listening" for e in events)
+    assert any(e["event"] == "worker state" and e["new"] == "ready" for e in events)
+    assert all("timestamp" in e and "level" in e for e in events)
+
+
+async def test_demo_and_chat(http):
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "vllm_gateway",
+        "demo",
+        "--port",
+        str(port),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        printed = await _read_until(proc.stdout, "PY\n", timeout=20)
+        assert f"curl -s {url}/v1/models" in printed
+        await _wait_http(http, url + "/health")
+        async with http.get(url + "/v1/models") as r:
+            ids = sorted(m["id"] for m in (await r.json())["data"])
+        assert ids == ["demo-llama", "demo-mistral"]
+        chat = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "vllm_gateway",
+            "chat",
+            "--gateway",
+            url,
+            "--model",
+            "demo-mistral",
+            "--max-tokens",
+            "3",
+            "hello",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(chat.communicate(), 20)
+        assert chat.returncode == 0
+        assert out.decode() == " w0 w1 w2\n"
+        chat = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "vllm_gateway",
+            "chat",
+            "--gateway",
+            url,
+            "--model",
+            "nope",
+            "hello",
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await asyncio.wait_for(chat.communicate(), 20)
+        assert chat.returncode == 1 and "404" in out.decode() and "demo-llama" in out.decode()
+        proc.send_signal(signal.SIGINT)
+        rest = await _read_until(proc.stdout, "demo stopped", timeout=10)
+        assert "Traceback" not in rest
+        async with asyncio.timeout(10):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
