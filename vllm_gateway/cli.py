@@ -195,8 +195,21 @@ def chat(gateway: str, model: str, max_tokens: int | None, prompt: str) -> None:
     show_default=True,
     help="Answer length when the request gives no max_tokens.",
 )
-@click.option("--fault", default=None, help="A fault applied to every request (see docs).")
+@click.option(
+    "--fault",
+    default=None,
+    metavar="NAME[=PARAM]",
+    help="A fault applied to every request: hang, stall_headers=S, "
+    "stall_midstream=K, reset_midstream=K, close_midstream=K, status=CODE, drip=MS, "
+    "malformed_sse, huge_event=BYTES. Per request: header X-Fake-Fault.",
+)
 @click.option("--api-key", default=None, help="Require this bearer token, like vLLM --api-key.")
+@click.option(
+    "--legacy-metrics",
+    is_flag=True,
+    default=False,
+    help="Report vllm:gpu_cache_usage_perc (vLLM < 0.8) instead of kv_cache_usage_perc.",
+)
 def fake_worker(
     host: str,
     port: int,
@@ -208,21 +221,29 @@ def fake_worker(
     max_tokens: int,
     fault: str | None,
     api_key: str | None,
+    legacy_metrics: bool,
 ) -> None:
-    """Run a stand-in for a vLLM server: same wire format, /metrics, batching, faults."""
+    """Run a stand-in for a vLLM server: same wire format, /metrics, batching, faults.
+
+    PORT 0 picks a free port; the line printed at start says which.
+    """
     from vllm_gateway.fake_worker import FakeWorkerConfig, run_forever
     from vllm_gateway.server import new_event_loop
 
-    config = FakeWorkerConfig(
-        models=models,
-        lora_adapters=loras,
-        ttft_ms=ttft_ms,
-        tpot_ms=tpot_ms,
-        max_num_seqs=max_num_seqs,
-        max_tokens=max_tokens,
-        fault=fault,
-        api_key=api_key,
-    )
+    try:
+        config = FakeWorkerConfig(
+            models=models,
+            lora_adapters=loras,
+            ttft_ms=ttft_ms,
+            tpot_ms=tpot_ms,
+            max_num_seqs=max_num_seqs,
+            max_tokens=max_tokens,
+            fault=fault,
+            api_key=api_key,
+            legacy_metrics=legacy_metrics,
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(run_forever(config, host, port))
 

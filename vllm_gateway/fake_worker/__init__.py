@@ -5,8 +5,28 @@
     ...                             # worker.stats counts what happened
     await worker.stop()
 
-Faults, worker-wide (config.fault, set_fault, POST /fake/fault) or per request
-(header X-Fake-Fault: NAME or NAME=PARAM, "none" to opt out): see config.FAULT_NAMES.
+Token i of every answer is " w{i}". A client that goes away is counted in
+`stats.aborted` and its batch slot is freed at once.
+
+Faults act on the model endpoints (POST /v1/*, /tokenize, ...), never on /health,
+/metrics, /v1/models or /fake/*. They are chosen worker-wide (config.fault,
+set_fault(), POST /fake/fault {"fault": NAME|null}) or per request with the header
+`X-Fake-Fault: NAME` or `NAME=PARAM` ("none" opts one request out); an unknown name
+is a 400. K counts SSE events, chat's role event included; a non-streamed body is
+cut after its first half instead.
+
+    hang               read the request, never answer
+    stall_headers=S    wait S seconds, then answer normally (no S: forever)
+    stall_midstream=K  send K events, then nothing (the request keeps its slot)
+    reset_midstream=K  send K events, then abort the TCP connection with a RST
+    close_midstream=K  send K events, then end the chunked body cleanly, no [DONE]
+    status=CODE        answer CODE (400-599) with an OpenAI error; Retry-After: 1 on 429/503
+    drip=MS            write the body 4 bytes at a time, MS ms apart (default 10)
+    malformed_sse      events that are neither JSON nor SSE (half a body if not streamed)
+    huge_event=BYTES   one extra event of BYTES "x" (default 256 KiB) before the tokens
+
+pause() closes the listening socket and cuts open connections (a dead worker);
+resume() listens on the same port again (a restarted one).
 `python -m vllm_gateway.fake_worker --help` runs one from the shell.
 """
 

@@ -61,8 +61,8 @@ def parse_fault(text: str | None) -> Fault | None:
         param = kind(raw.strip())
     except ValueError:
         raise ValueError(f"fault {name!r} needs a {kind.__name__} parameter, got {raw!r}") from None
-    if param < 0:
-        raise ValueError(f"fault {name!r} needs a parameter >= 0, got {raw!r}")
+    if param < 0 or (name == "status" and not 400 <= param <= 599):
+        raise ValueError(f"fault {name!r} parameter out of range: {raw!r}")
     return Fault(name, param)
 
 

@@ -150,7 +150,7 @@ class FakeWorker:
         finally:
             self._in_flight.discard(record)
         record.status = resp.status
-        self._finish(record, "completed" if resp.status < 400 else "errors")
+        self._finish(record, "completed" if resp.status < 400 else "error")
         return resp
 
     async def _answer(

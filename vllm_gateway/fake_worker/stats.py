@@ -11,9 +11,15 @@ from typing import Any
 # How many request records to keep; older ones fall off.
 RECORDS_KEPT = 200
 
-# The ways a recorded request ends; each has a counter of the same name in FakeStats
-# (except "pending", the state while it runs).
-OUTCOMES = ("completed", "errors", "aborted", "faulted", "dropped")
+# The ways a recorded request ends -> the FakeStats counter each one bumps. A record
+# is "pending" until one of these is decided, once.
+OUTCOMES = {
+    "completed": "completed",
+    "error": "errors",
+    "aborted": "aborted",
+    "faulted": "faulted",
+    "dropped": "dropped",
+}
 
 
 class Headers(dict[str, str]):
@@ -45,8 +51,7 @@ class RequestRecord:
     headers: Headers
     body: bytes
     fault: str | None = None
-    # "pending" while running, then one of "completed", "errors", "aborted", "faulted",
-    # "dropped" (see FakeStats for what each means).
+    # "pending" while running, then one of OUTCOMES (see FakeStats for what each means).
     outcome: str = "pending"
     status: int | None = None
 
@@ -102,8 +107,9 @@ class FakeStats:
         """
         if rec.outcome != "pending":
             return False
+        counter = OUTCOMES[outcome]
         rec.outcome = outcome
-        setattr(self, outcome, getattr(self, outcome) + 1)
+        setattr(self, counter, getattr(self, counter) + 1)
         return True
 
     def last(self, path: str | None = None) -> RequestRecord:
