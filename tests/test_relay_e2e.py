@@ -269,3 +269,6 @@ async def test_200_concurrent_streams_every_chunk_intact(fake_worker, gateway, c
     expected = "".join(f" w{i}" for i in range(n_tokens))
     assert all(r == expected for r in results)
     assert sum(served(w) for w in workers) == 200
+    # All 200 ran at once: no connection cap queued streams behind others (aiohttp's
+    # default connector limit of 100 would hold the sum of these at 100).
+    assert sum(w.stats.max_running_seen for w in workers) >= 190
