@@ -661,3 +661,35 @@ async def test_run_forever_announces_and_stops_on_cancel(
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, 5)
+
+
+async def test_freeze_accepts_and_never_answers_then_resume_serves(
+    make_worker: MakeWorker,
+) -> None:
+    worker = await make_worker()
+    await worker.freeze()
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(worker.host, worker.port), 2
+    )  # the handshake completes: the kernel accepts for the frozen process
+    writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    await writer.drain()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(reader.read(1), 0.3)  # ...and nothing ever answers
+    writer.close()
+    await worker.resume()
+    async with aiohttp.ClientSession() as http, http.get(worker.url + "/health") as resp:
+        assert resp.status == 200
+
+
+async def test_blackhole_makes_connects_time_out_then_resume_serves(
+    make_worker: MakeWorker,
+) -> None:
+    worker = await make_worker()
+    await worker.blackhole()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.open_connection(worker.host, worker.port), 0.3)
+    assert time.monotonic() - t0 >= 0.25  # not refused: the connect hung until our limit
+    await worker.resume()
+    async with aiohttp.ClientSession() as http, http.get(worker.url + "/health") as resp:
+        assert resp.status == 200

@@ -25,8 +25,14 @@ cut after its first half instead.
     malformed_sse      events that are neither JSON nor SSE (half a body if not streamed)
     huge_event=BYTES   one extra event of BYTES "x" (default 256 KiB) before the tokens
 
-pause() closes the listening socket and cuts open connections (a dead worker);
-resume() listens on the same port again (a restarted one).
+Lifecycle faults, for the whole worker:
+
+    pause()            close the listening socket and cut open connections: a dead
+                       worker (connects are refused)
+    freeze()           cut open connections, then accept new ones at the TCP level and
+                       never read or answer them: a hung process
+    blackhole()        cut open connections, then let connects time out (SYNs dropped)
+    resume()           listen on the same port again: a restarted worker
 `python -m vllm_gateway.fake_worker --help` runs one from the shell.
 """
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
@@ -40,6 +41,9 @@ class FakeWorker:
         self._in_flight: set[RequestRecord] = set()
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
+        # While frozen or blackholed: the bare listening socket standing in for the server,
+        # and (blackhole) the connection that keeps its accept queue full.
+        self._stand_in: list[socket.socket] = []
 
     @property
     def url(self) -> str:
@@ -85,6 +89,7 @@ class FakeWorker:
         if self._runner is None:
             return
         await self.pause()
+        self._close_stand_in()
         await self._runner.cleanup()
         self._runner = None
 
@@ -109,11 +114,53 @@ class FakeWorker:
             await asyncio.sleep(0.001)
 
     async def resume(self) -> None:
-        """Restart: listen again on the same port."""
+        """Restart: listen again on the same port (after pause, freeze or blackhole)."""
         if self._runner is None:
             raise RuntimeError("fake worker not started")
+        self._close_stand_in()
         if self._site is None:
             await self._listen(self.port)
+
+    async def freeze(self) -> None:
+        """Hang like a stopped process: connections are accepted, never read or answered.
+
+        The kernel completes every TCP handshake (a listening socket nobody accepts from,
+        with a deep backlog) and buffers the request; no byte ever comes back. Open
+        connections are cut first, as pause() does. resume() serves again.
+        """
+        await self._stand_in_listener(backlog=1024)
+
+    async def blackhole(self) -> None:
+        """Drop connection attempts, like a host behind a firewall that drops SYNs.
+
+        A listening socket with a one-slot accept queue, kept full by one connection of
+        our own: the kernel drops further SYNs, so connects time out rather than fail.
+        Open connections are cut first, as pause() does. resume() serves again.
+        """
+        sock = await self._stand_in_listener(backlog=0)
+        filler = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        filler.setblocking(False)
+        self._stand_in.append(filler)
+        with suppress(BlockingIOError):
+            filler.connect(sock.getsockname())
+        await asyncio.sleep(0.01)  # let the handshake complete and fill the queue
+
+    async def _stand_in_listener(self, backlog: int) -> socket.socket:
+        if self._runner is None:
+            raise RuntimeError("fake worker not started")
+        await self.pause()
+        self._close_stand_in()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(backlog)
+        self._stand_in.append(sock)
+        return sock
+
+    def _close_stand_in(self) -> None:
+        for sock in self._stand_in:
+            sock.close()
+        self._stand_in.clear()
 
     async def _listen(self, port: int) -> None:
         assert self._runner is not None
