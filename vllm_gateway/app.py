@@ -42,9 +42,7 @@ def create_app(config: GatewayConfig, *, rng: random.Random | None = None) -> we
     registry = WorkerRegistry()
     for spec in config.workers:
         registry.add(normalize_url(spec.url), models=spec.models, weight=spec.weight)
-    dispatcher = Dispatcher(
-        registry, make_policy(config.policy, rng), max_attempts=config.max_attempts, rng=rng
-    )
+    dispatcher = Dispatcher(registry, make_policy(config.policy, rng), retry=config.retry, rng=rng)
     pool = UpstreamPool(config.timeouts.connect)
     relay = Relay(pool, config.timeouts)
     prober = Prober(registry, pool, config.probe)

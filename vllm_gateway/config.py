@@ -91,6 +91,27 @@ class TimeoutConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """Trying a request again on another worker. The rule (dispatch.py, docs/reliability.md):
+    only when it provably never reached the worker's application, or the worker answered
+    503/429; never once the client got a byte."""
+
+    max_attempts: int = setting(
+        3, "Workers tried for one request, the first one included.", minimum=1
+    )
+    backoff: float = setting(
+        0.02,
+        "Pause before the second attempt; it doubles with each further attempt, "
+        "and each pause is drawn between half and all of that (jitter).",
+        unit="seconds",
+        minimum=0.0,
+    )
+    backoff_max: float = setting(
+        0.5, "Longest pause between two attempts.", unit="seconds", minimum=0.0
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ProbeConfig:
     """Background probes of each worker's /health and /v1/models."""
 
@@ -136,12 +157,6 @@ class GatewayConfig:
         unit="bytes",
         minimum=1024,
     )
-    max_attempts: int = setting(
-        3,
-        "Workers tried for one request when a worker cannot be reached "
-        "(only before any byte reached the client).",
-        minimum=1,
-    )
     workers: tuple[WorkerSpec, ...] = setting(
         (),
         "Static workers: `[[workers]]` tables in TOML; URLs on the command line "
@@ -150,6 +165,7 @@ class GatewayConfig:
     )
     log: LogConfig = field(default_factory=LogConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
 
 

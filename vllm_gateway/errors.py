@@ -4,7 +4,8 @@
     ├── ConfigError                 a configuration that fails validation (never reaches HTTP)
     └── GatewayError                anything the gateway itself answers with an error
         ├── BadRequest          400 invalid_request_error
-        │   └── BodyTooLarge    413
+        │   ├── BodyTooLarge    413
+        │   └── RequestTimeout  408 (the client sent its body too slowly)
         ├── Unauthorized        401
         ├── Forbidden           403
         ├── ModelNotFound       404 model_not_found
@@ -13,7 +14,8 @@
         ├── NoWorkerAvailable   503 with Retry-After
         │   └── QueueTimeout    503 (waited in the admission queue too long)
         └── UpstreamError       502 (a worker failed before answering)
-            ├── WorkerUnreachable   502, safe to retry: no request byte reached the worker
+            ├── WorkerUnreachable   502, retryable: no request byte reached the worker
+            ├── WorkerRefused       503, retryable: the worker answered 503/429 (not relayed)
             └── UpstreamTimeout     504
 
 Only `GatewayError`s become HTTP answers, and only `error_response` builds them, so every
@@ -62,6 +64,11 @@ class BadRequest(GatewayError):
 class BodyTooLarge(BadRequest):
     status = 413
     code = "request_too_large"
+
+
+class RequestTimeout(BadRequest):
+    status = 408
+    code = "request_timeout"
 
 
 class Unauthorized(GatewayError):
@@ -113,12 +120,27 @@ class UpstreamError(GatewayError):
     status = 502
     type = "upstream_error"
     code = "worker_error"
+    # May the request be tried on another worker? The rule is in dispatch.py's docstring.
+    retryable = False
 
 
 class WorkerUnreachable(UpstreamError):
     """No byte of the request reached the worker: retrying elsewhere is safe."""
 
     code = "worker_unreachable"
+    retryable = True
+
+
+class WorkerRefused(UpstreamError):
+    """The worker answered 503/429 and nothing reached the client: try another worker.
+
+    Raised only while another attempt is allowed; the last attempt relays the worker's
+    answer as it is, so this never reaches a client in practice.
+    """
+
+    status = 503
+    code = "worker_refused"
+    retryable = True
 
 
 class UpstreamTimeout(UpstreamError):

@@ -26,7 +26,13 @@ from multidict import CIMultiDict
 from vllm_gateway import dispatch
 from vllm_gateway.config import TimeoutConfig
 from vllm_gateway.dispatch import Lease
-from vllm_gateway.errors import UpstreamError, UpstreamTimeout, WorkerUnreachable, sse_error_event
+from vllm_gateway.errors import (
+    UpstreamError,
+    UpstreamTimeout,
+    WorkerRefused,
+    WorkerUnreachable,
+    sse_error_event,
+)
 from vllm_gateway.log import get_logger
 from vllm_gateway.upstream import UpstreamPool
 
@@ -95,6 +101,21 @@ def _within(limit: float, total: float, started: float) -> float | None:
     return min(limit, remaining) if limit else remaining
 
 
+# Streams vLLM always ends with `data: [DONE]` (its Responses API does not, so no check).
+DONE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+DONE = b"data: [DONE]"
+TAIL = 32  # bytes: "data: [DONE]" and its line endings, with room to spare
+
+
+def _ended_well(lease: Lease, upstream: aiohttp.ClientResponse, tail: bytes) -> bool:
+    """False for a completions event stream whose last bytes are not `data: [DONE]`."""
+    if upstream.status != 200 or upstream.content_type != "text/event-stream":
+        return True
+    if lease.info.path.partition("?")[0] not in DONE_PATHS:
+        return True
+    return tail.rstrip().endswith(DONE)
+
+
 class Relay:
     """Sends one attempt to a worker over the shared pool and streams the answer back."""
 
@@ -135,6 +156,12 @@ class Relay:
             raise WorkerUnreachable(
                 f"Worker {lease.worker.url} could not be reached: {e.os_error or e}"
             ) from None
+        except aiohttp.ConnectionTimeoutError:
+            # The TCP handshake never completed: no byte reached the worker.
+            raise WorkerUnreachable(
+                f"Worker {lease.worker.url} could not be reached: "
+                f"connect timed out after {t.connect:g} s"
+            ) from None
         except TimeoutError:
             raise UpstreamTimeout(
                 f"Worker {lease.worker.url} sent no answer within {first_byte:g} s."
@@ -143,6 +170,9 @@ class Relay:
             raise UpstreamError(f"Worker {lease.worker.url} failed: {e}") from None
 
         lease.status = upstream.status
+        if upstream.status in dispatch.RETRY_STATUSES and lease.can_retry:
+            upstream.close()  # a busy worker's short answer; nothing of it reaches the client
+            raise WorkerRefused(f"Worker {lease.worker.url} answered {upstream.status}.")
         try:
             response = web.StreamResponse(
                 status=upstream.status,
@@ -169,6 +199,9 @@ class Relay:
         t = self.timeouts
         content = upstream.content
         idle: float | None = None
+        # The body's last bytes, to see whether a completions stream ended with [DONE]:
+        # the last chunk itself, or (for tiny chunks) the last TAIL bytes pieced together.
+        tail = b""
         try:
             while True:
                 idle = _within(t.idle, t.total, lease.started)
@@ -176,6 +209,7 @@ class Relay:
                     chunk = await content.readany()
                 if not chunk:
                     break
+                tail = chunk if len(chunk) >= TAIL else (tail + chunk)[-TAIL:]
                 await response.write(chunk)
         except TimeoutError:
             lease.outcome = dispatch.TIMEOUT
@@ -191,9 +225,14 @@ class Relay:
             lease.outcome = dispatch.BROKEN
             message = f"Worker {lease.worker.url} failed mid-answer: {e}"
         else:
-            await response.write_eof()
-            return
-        await self._cut_short(request, response, upstream, message)
+            if not _ended_well(lease, upstream, tail):
+                # The worker closed the stream cleanly but early: say so, as for a reset.
+                lease.outcome = dispatch.BROKEN
+                message = f"Worker {lease.worker.url} ended the stream without [DONE]."
+            else:
+                await response.write_eof()
+                return
+        await self._cut_short(request, response, upstream, message, tail)
 
     @staticmethod
     async def _cut_short(
@@ -201,16 +240,21 @@ class Relay:
         response: web.StreamResponse,
         upstream: aiohttp.ClientResponse,
         message: str,
+        tail: bytes,
     ) -> None:
         """End a response whose headers already went out, so the client sees it failed.
 
         An event stream gets an SSE error event and a proper end (OpenAI clients raise on
-        it); any other body is cut by closing the connection, which every HTTP client
-        reports as an incomplete answer.
+        it); when the worker stopped mid-event, a blank line first ends that partial event
+        so the error event is read on its own. Any other body is cut by closing the
+        connection, which every HTTP client reports as an incomplete answer.
         """
         log.warning("relay cut short", reason=message)
         if upstream.content_type == "text/event-stream":
-            await response.write(sse_error_event(message))
+            event = sse_error_event(message)
+            if tail and not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
+                event = b"\n\n" + event
+            await response.write(event)
             await response.write_eof()
             return
         response.force_close()

@@ -20,12 +20,12 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from vllm_gateway.dispatch import UNREACHABLE, Dispatcher
+from vllm_gateway.dispatch import Dispatcher, outcome_of
 from vllm_gateway.errors import (
     BodyTooLarge,
     GatewayError,
     RouteNotFound,
-    WorkerUnreachable,
+    UpstreamError,
     error_response,
 )
 from vllm_gateway.log import bind_request, clear_request, get_logger
@@ -126,16 +126,14 @@ class Routes:
                     bind_request(worker=lease.worker.url)
                     try:
                         return await self.relay.forward(request, lease)
-                    except WorkerUnreachable as e:
-                        lease.outcome = UNREACHABLE
-                        tried.append(lease.worker)
-                        if not self.dispatcher.may_retry(len(tried)):
+                    except UpstreamError as e:
+                        # The retry rule: dispatch.py's docstring.
+                        if not (e.retryable and lease.can_retry):
                             raise
-                        log.warning(
-                            "worker unreachable, retrying elsewhere",
-                            worker=lease.worker.url,
-                            error=e.message,
-                        )
+                        lease.outcome = outcome_of(e)
+                        tried.append(lease.worker)
+                        failure = e
+                await self.dispatcher.before_retry(lease, failure)
         finally:
             clear_request()
 
