@@ -1,6 +1,6 @@
 """create_app(config): the one place where the gateway's objects are built and wired.
 
-Everything with a lifetime (the connection pool, the probes) starts and stops through
+Everything with a lifetime (the connection pool, the probes, the scrapes) starts and stops through
 `cleanup_ctx`, in order, so a test can build a whole gateway, run it on port 0 and stop it
 without leaving a task or a socket behind.
 """
@@ -19,6 +19,7 @@ from vllm_gateway.health import Prober
 from vllm_gateway.policies import check_policy_name, make_policy
 from vllm_gateway.relay import Relay
 from vllm_gateway.routes import Routes, error_middleware
+from vllm_gateway.scrape import Scraper
 from vllm_gateway.upstream import UpstreamPool
 from vllm_gateway.workers import WorkerRegistry
 
@@ -26,6 +27,7 @@ CONFIG = web.AppKey("config", GatewayConfig)
 REGISTRY = web.AppKey("registry", WorkerRegistry)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 PROBER = web.AppKey("prober", Prober)
+SCRAPER = web.AppKey("scraper", Scraper)
 
 
 def check_app_config(config: GatewayConfig) -> None:
@@ -46,6 +48,7 @@ def create_app(config: GatewayConfig, *, rng: random.Random | None = None) -> we
     pool = UpstreamPool(config.timeouts.connect)
     relay = Relay(pool, config.timeouts)
     prober = Prober(registry, pool, config.probe)
+    scraper = Scraper(registry, pool, config.scrape)
 
     app = web.Application(
         middlewares=[error_middleware],
@@ -56,6 +59,7 @@ def create_app(config: GatewayConfig, *, rng: random.Random | None = None) -> we
     app[REGISTRY] = registry
     app[DISPATCHER] = dispatcher
     app[PROBER] = prober
+    app[SCRAPER] = scraper
     Routes(registry, dispatcher, relay, config.max_body_bytes).add_to(app)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -68,5 +72,10 @@ def create_app(config: GatewayConfig, *, rng: random.Random | None = None) -> we
         yield
         await prober.stop()
 
-    app.cleanup_ctx.extend([upstream_ctx, prober_ctx])
+    async def scraper_ctx(app: web.Application) -> AsyncIterator[None]:
+        await scraper.start()
+        yield
+        await scraper.stop()
+
+    app.cleanup_ctx.extend([upstream_ctx, prober_ctx, scraper_ctx])
     return app

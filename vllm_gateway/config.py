@@ -133,6 +133,39 @@ class ProbeConfig:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ScrapeConfig:
+    """Background scrapes of each worker's Prometheus /metrics (its own queue, as it reports).
+
+    Metric names are lists because vLLM renames them between releases: the first name
+    present on a worker's page is read.
+    """
+
+    interval: float = setting(
+        0.25, "Time between two scrapes of one worker.", unit="seconds", minimum=0.02
+    )
+    timeout: float = setting(1.0, "Limit on one scrape request.", unit="seconds", minimum=0.01)
+    stale_after: float = setting(
+        2.0,
+        "A snapshot older than this is dropped; dispatch then counts only the gateway's "
+        "own in-flight requests to that worker.",
+        unit="seconds",
+        minimum=0.05,
+    )
+    running_metrics: tuple[str, ...] = setting(
+        ("vllm:num_requests_running",),
+        "Gauge of requests in the worker's running batch, summed over engines.",
+    )
+    waiting_metrics: tuple[str, ...] = setting(
+        ("vllm:num_requests_waiting",),
+        "Gauge of requests waiting in the worker's own queue, summed over engines.",
+    )
+    kv_cache_metrics: tuple[str, ...] = setting(
+        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        "Gauge of KV-cache usage (0..1), averaged over engines; shown, not dispatched on.",
+    )
+
+
 # --- the whole configuration ----------------------------------------------------------------
 
 
@@ -167,6 +200,7 @@ class GatewayConfig:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
 
 
 # --- loading --------------------------------------------------------------------------------
@@ -223,6 +257,9 @@ def validate(config: GatewayConfig) -> list[str]:
             problem = check_model_name(model)
             if problem:
                 errors.append(f"{where}.models: {problem}")
+    for key in ("running_metrics", "waiting_metrics"):
+        if not getattr(config.scrape, key):
+            errors.append(f"scrape.{key}: name at least one metric")
     if not config.host or any(c in config.host for c in "/ "):
         errors.append(f"host: {config.host!r} is not an address or host name")
     return errors

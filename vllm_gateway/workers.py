@@ -45,8 +45,10 @@ class Worker:
         "added_at",
         "completed",
         "failed",
+        "finished_since_scrape",
         "inflight",
         "models",
+        "pace",
         "pinned_models",
         "sent_since_scrape",
         "source",
@@ -75,7 +77,11 @@ class Worker:
         self.state_reason = "added"
         self.inflight = 0  # requests the gateway has sent and not yet seen finish
         self.sent_since_scrape = 0  # requests sent since `stats` was taken
-        self.stats: EngineStats | None = None
+        self.finished_since_scrape = 0  # requests that ended since `stats` was taken
+        self.stats: EngineStats | None = None  # None: never scraped, or the snapshot is stale
+        # Learned by dispatch from completed requests: 1 / typical request duration, in
+        # requests per second per running request. 0 until the first completion.
+        self.pace = 0.0
         self.completed = 0
         self.failed = 0
         self.added_at = time.monotonic()
@@ -98,6 +104,8 @@ class WorkerRegistry:
         # Called (without arguments) after any change that may give a waiting request a
         # worker: a worker became ready, gained a model, or was added.
         self.listeners: list[Callable[[], None]] = []
+        # Called with the worker after each new (or withdrawn) `EngineStats`.
+        self.stats_listeners: list[Callable[[Worker], None]] = []
 
     # --- reading ---------------------------------------------------------------------------
 
@@ -182,10 +190,19 @@ class WorkerRegistry:
         log.info("worker models", worker=worker.url, models=sorted(new))
         return True
 
-    def set_stats(self, worker: Worker, stats: EngineStats) -> None:
-        """Record a scrape; requests sent before it are now part of what it reports."""
+    def set_stats(
+        self, worker: Worker, stats: EngineStats | None, *, sent: int = 0, finished: int = 0
+    ) -> None:
+        """Record a scrape, or withdraw a stale one (None).
+
+        `sent` and `finished` are the worker's `*_since_scrape` counts when the scrape was
+        taken: those requests are now part of what it reports; later ones are not.
+        """
         worker.stats = stats
-        worker.sent_since_scrape = 0
+        worker.sent_since_scrape = max(0, worker.sent_since_scrape - sent)
+        worker.finished_since_scrape = max(0, worker.finished_since_scrape - finished)
+        for listener in self.stats_listeners:
+            listener(worker)
 
     def _changed(self) -> None:
         self._by_model = None
