@@ -135,3 +135,28 @@ def test_describe_lists_every_setting_with_env_name():
     assert rows["log.format"][4] == "--log-format"
     assert rows["timeouts.idle"][3] == "seconds"
     assert "workers[].url" in rows
+
+
+def test_per_model_policy_tables(tmp_path):
+    from vllm_gateway.app import check_app_config
+
+    path = write(
+        tmp_path,
+        """
+policy = "power_of_two"
+[models."meta-llama/Llama-3.1-8B-Instruct"]
+policy = "prefix"
+[models.small]
+""",
+    )
+    c = load_config(path, env={})
+    assert c.models["meta-llama/Llama-3.1-8B-Instruct"].policy == "prefix"
+    assert c.models["small"].policy == ""  # the global policy
+    check_app_config(c)
+    bad = write(tmp_path, '[models.m]\npolicy = "fastest"\nspeed = 2\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(bad, env={})
+    assert e.value.problems == ["models.m.speed: unknown setting"]
+    with pytest.raises(ConfigError) as e:
+        check_app_config(load_config(write(tmp_path, '[models.m]\npolicy = "fastest"\n'), env={}))
+    assert e.value.problems[0].startswith('models."m".policy: unknown policy')

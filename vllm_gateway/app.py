@@ -32,9 +32,14 @@ SCRAPER = web.AppKey("scraper", Scraper)
 
 def check_app_config(config: GatewayConfig) -> None:
     """Checks that need more than config.py knows (policy names); raise ConfigError."""
-    problem = check_policy_name(config.policy)
-    if problem:
-        raise ConfigError([f"policy: {problem}"])
+    problems = []
+    if problem := check_policy_name(config.policy):
+        problems.append(f"policy: {problem}")
+    for model, settings in config.models.items():
+        if settings.policy and (problem := check_policy_name(settings.policy)):
+            problems.append(f'models."{model}".policy: {problem}')
+    if problems:
+        raise ConfigError(problems)
 
 
 def create_app(config: GatewayConfig, *, rng: random.Random | None = None) -> web.Application:
@@ -44,7 +49,18 @@ def create_app(config: GatewayConfig, *, rng: random.Random | None = None) -> we
     registry = WorkerRegistry()
     for spec in config.workers:
         registry.add(normalize_url(spec.url), models=spec.models, weight=spec.weight)
-    dispatcher = Dispatcher(registry, make_policy(config.policy, rng), retry=config.retry, rng=rng)
+    per_model = {
+        model: make_policy(settings.policy, rng, config.dispatch)
+        for model, settings in config.models.items()
+        if settings.policy
+    }
+    dispatcher = Dispatcher(
+        registry,
+        make_policy(config.policy, rng, config.dispatch),
+        policy_for_model=per_model,
+        retry=config.retry,
+        rng=rng,
+    )
     pool = UpstreamPool(config.timeouts.connect)
     relay = Relay(pool, config.timeouts)
     prober = Prober(registry, pool, config.probe)

@@ -63,8 +63,10 @@ def _load(config_path: str | None, overrides: dict[str, Any]) -> GatewayConfig:
 )
 @click.option(
     "--policy",
-    help="Dispatch policy: queue (default), least_inflight, round_robin, "
-    "random, ... (see docs/dispatch.md).",
+    help="Dispatch policy for every model without its own: queue (the default: least "
+    "expected wait), least_inflight, power_of_two, session, prefix, and the load-blind "
+    "round_robin and random; FastChat's shortest_queue and lottery are aliases "
+    "(docs/dispatch.md).",
 )
 @click.option(
     "--log-format",

@@ -166,6 +166,32 @@ class ScrapeConfig:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class DispatchConfig:
+    """How requests are spread over workers (docs/dispatch.md explains each knob)."""
+
+    load_bound: float = setting(
+        1.25,
+        "session and prefix policies: a worker keeps its affine requests only while its "
+        "load is under this multiple of the fleet's average; then the next in line takes them.",
+        minimum=1.0,
+    )
+    prefix_chars: int = setting(
+        256,
+        "prefix policy: leading characters of the prompt (or of the messages) that pick "
+        "the worker, so requests sharing them reuse its prefix cache.",
+        unit="characters",
+        minimum=1,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Settings for one model name: a `[models."NAME"]` table."""
+
+    policy: str = setting("", "Dispatch policy for this model; empty: the global `policy`.")
+
+
 # --- the whole configuration ----------------------------------------------------------------
 
 
@@ -201,6 +227,11 @@ class GatewayConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    # setting() turns a dict default into a default_factory, so no instance shares it.
+    models: dict[str, ModelConfig] = setting(  # noqa: RUF009
+        {}, 'Per-model settings: `[models."NAME"]` tables in TOML, keyed by model name.'
+    )
 
 
 # --- loading --------------------------------------------------------------------------------

@@ -223,6 +223,12 @@ def describe(cls: type, env_prefix: str) -> list[tuple[str, ...]]:
     return rows
 
 
+def _dict_value(tp: Any) -> Any | None:
+    if typing.get_origin(tp) is dict:
+        return typing.get_args(tp)[1]
+    return None
+
+
 def _describe(cls: type, where: str, env_prefix: str, rows: list) -> None:
     hints = _hints(cls)
     for f in dataclasses.fields(cls):
@@ -245,6 +251,13 @@ def _describe(cls: type, where: str, env_prefix: str, rows: list) -> None:
                 )
             )
             _describe(item, f"{where}{f.name}[].", "", rows)
+            continue
+        value_type = _dict_value(tp)
+        if value_type is not None and _is_section(value_type):
+            rows.append(
+                (f"{where}{f.name}", "table of tables", "{}", "", "", "", meta.get("help", ""))
+            )
+            _describe(value_type, f'{where}{f.name}."NAME".', "", rows)
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         env_name = env_prefix + f.name.upper() if env_prefix else ""

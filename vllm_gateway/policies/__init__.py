@@ -8,21 +8,29 @@ from __future__ import annotations
 
 import random
 
+from vllm_gateway.config import DispatchConfig
 from vllm_gateway.policies.base import Policy, PolicyFactory
 from vllm_gateway.policies.least_inflight import LeastInflight
+from vllm_gateway.policies.power_of_two import PowerOfTwo
+from vllm_gateway.policies.prefix import PrefixAffinity
 from vllm_gateway.policies.queue import QueuePolicy
 from vllm_gateway.policies.random_choice import RandomChoice
 from vllm_gateway.policies.round_robin import RoundRobin
+from vllm_gateway.policies.session import SessionAffinity
 
 POLICIES: dict[str, PolicyFactory] = {
     "queue": QueuePolicy,
     "least_inflight": LeastInflight,
+    "power_of_two": PowerOfTwo,
     "round_robin": RoundRobin,
     "random": RandomChoice,
+    "session": SessionAffinity,
+    "prefix": PrefixAffinity,
 }
 
 ALIASES: dict[str, str] = {
     "shortest_queue": "queue",  # FastChat
+    "lottery": "random",  # FastChat (weighted by speed there; by `weight` here)
 }
 
 
@@ -38,10 +46,12 @@ def check_policy_name(name: str) -> str | None:
     return f"unknown policy {name!r}; choose one of {', '.join(policy_names())}"
 
 
-def make_policy(name: str, rng: random.Random | None = None) -> Policy:
+def make_policy(
+    name: str, rng: random.Random | None = None, config: DispatchConfig | None = None
+) -> Policy:
     """Build the policy called `name` (validated beforehand with `check_policy_name`)."""
     factory = POLICIES[ALIASES.get(name, name)]
-    return factory(rng or random.Random())
+    return factory(rng or random.Random(), config or DispatchConfig())
 
 
 __all__ = ["POLICIES", "Policy", "check_policy_name", "make_policy", "policy_names"]

@@ -1,0 +1,27 @@
+"""The load view: how many requests a worker has running or queued, as best known right now.
+
+A worker's own report (vLLM's running + waiting, from the last scrape) is corrected by what
+the gateway did since: requests sent since the scrape count at once, so a burst never herds
+onto the worker that looked idle a moment ago, and requests finished since then no longer
+count. Never less than the gateway's own in-flight count to that worker (the report may
+predate requests still on their way). Without a fresh report (never scraped, or stale),
+the in-flight count is all there is.
+
+Pure and cheap: policies call it for every candidate of every request.
+"""
+
+from __future__ import annotations
+
+from vllm_gateway.workers import Worker
+
+
+def load(worker: Worker) -> float:
+    """Requests running or waiting on `worker` right now, as best the gateway knows."""
+    stats = worker.stats
+    inflight = worker.inflight
+    if stats is None:
+        return inflight
+    estimate = (
+        stats.running + stats.waiting + worker.sent_since_scrape - worker.finished_since_scrape
+    )
+    return estimate if estimate > inflight else inflight
