@@ -1,30 +1,38 @@
 """Relay: one attempt of one request against one worker, its answer streamed back as is.
 
-The request body goes out as the same bytes the client sent. The answer comes back chunk by
-chunk as the worker writes it: status, content type and end-to-end headers kept, hop-by-hop
-headers dropped, SSE events never buffered or re-parsed. Timeouts: connect (in the pool),
-first byte (until the worker's headers), idle (between two body chunks), total.
+The request body goes out as the same bytes the client sent. The answer comes back as the
+worker writes it: status, content type and end-to-end headers kept, hop-by-hop headers
+dropped, body bytes copied from the worker's socket to the client's as they arrive (see
+connection.py), never re-parsed. Timeouts: connect (in the pool), first byte (until the
+worker's headers), idle (between two reads of the body), total.
 
-Failure rules: before the response headers reach the client, a failure raises a
-`GatewayError` (the handler answers with an OpenAI error body; `WorkerUnreachable` may be
-retried elsewhere). After that, the stream is ended with an SSE error event (for event
-streams) and the connection is closed, so the client can tell it was cut short.
-A client that goes away cancels the handler; leaving this function then closes the worker
-connection, which makes vLLM abort the generation.
+An attempt has two steps, so a caller can judge the worker's answer before the client
+sees any of it:
+
+    conn = await relay.start(request, lease)     # request sent, worker's status known
+    return await relay.respond(request, lease, conn)   # commit headers, stream the body
+    (or relay.abandon(conn) to drop that answer, e.g. to retry elsewhere)
+
+`forward` does both. Failure rules: before the response headers reach the client, a
+failure raises a `GatewayError` (the handler answers with an OpenAI error body;
+`WorkerUnreachable` may be retried elsewhere). After that, an event stream is ended with an
+SSE error event and a proper end of stream; any other body is cut by closing the connection,
+so the client can tell it was cut short. A client that goes away cancels the handler;
+leaving this module then closes the worker connection, which makes vLLM abort the
+generation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from vllm_gateway import dispatch
+from vllm_gateway import connection, dispatch
 from vllm_gateway.config import TimeoutConfig
+from vllm_gateway.connection import UpstreamConnection
 from vllm_gateway.dispatch import Lease
 from vllm_gateway.errors import (
     UpstreamError,
@@ -55,65 +63,52 @@ HOP_BY_HOP = frozenset(
         "Content-Length",
     )
 )
+_HOP_BY_HOP_B = frozenset(h.encode() for h in HOP_BY_HOP)
+_NOT_FORWARDED = _HOP_BY_HOP_B | {b"x-request-id"}
+_NOT_FORWARDED_NO_AUTH = _NOT_FORWARDED | {b"authorization"}
 
 
-def upstream_headers(
-    client_headers: Mapping[str, str],
+def request_head(
+    method: str,
+    target: str,
+    host: bytes,
+    client_headers: tuple[tuple[bytes, bytes], ...],
     request_id: str,
+    body_length: int,
     *,
     forward_authorization: bool,
     worker_api_key: str | None,
-) -> CIMultiDict[str]:
-    """The headers to send the worker: the client's end-to-end ones, and our request id.
+) -> bytes:
+    """The request line and headers for the worker: the client's end-to-end headers as
+    they came (bytes, order kept), our Host, Content-Length and X-Request-Id.
 
     The client's `Authorization` is the client's credential for the gateway; it is passed on
     only when configured. A worker's own key (vLLM --api-key) replaces it when set.
     """
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in client_headers.items():
-        lower = name.lower()
-        if lower in HOP_BY_HOP or lower == "x-request-id":
-            continue
-        if lower == "authorization" and not forward_authorization:
-            continue
-        out.add(name, value)
+    skip = (
+        _NOT_FORWARDED if forward_authorization and not worker_api_key else (_NOT_FORWARDED_NO_AUTH)
+    )
+    parts = [b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (method.encode(), target.encode(), host)]
+    for name, value in client_headers:
+        if name.lower() not in skip:
+            parts.append(b"%s: %s\r\n" % (name, value))
     if worker_api_key:
-        out["Authorization"] = f"Bearer {worker_api_key}"
-    out["X-Request-Id"] = request_id
-    return out
+        parts.append(b"Authorization: Bearer %s\r\n" % worker_api_key.encode())
+    parts.append(
+        b"X-Request-Id: %s\r\nContent-Length: %d\r\n\r\n"
+        % (request_id.encode("utf-8", "surrogateescape"), body_length)
+    )
+    return b"".join(parts)
 
 
-def client_headers(worker_headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
+def client_headers(worker_headers: list[tuple[bytes, bytes]], request_id: str) -> CIMultiDict[str]:
     """The headers to send the client: the worker's end-to-end ones, and the request id."""
     out: CIMultiDict[str] = CIMultiDict()
-    for name, value in worker_headers.items():
-        if name.lower() not in HOP_BY_HOP:
-            out.add(name, value)
+    for name, value in worker_headers:
+        if name.lower() not in _HOP_BY_HOP_B:
+            out.add(name.decode("latin-1"), value.decode("utf-8", "replace"))
     out["X-Request-Id"] = request_id
     return out
-
-
-def _within(limit: float, total: float, started: float) -> float | None:
-    """The tighter of a limit and what remains of the total budget; None when neither."""
-    if not total:
-        return limit or None
-    remaining = max(0.001, started + total - time.monotonic())
-    return min(limit, remaining) if limit else remaining
-
-
-# Streams vLLM always ends with `data: [DONE]` (its Responses API does not, so no check).
-DONE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-DONE = b"data: [DONE]"
-TAIL = 32  # bytes: "data: [DONE]" and its line endings, with room to spare
-
-
-def _ended_well(lease: Lease, upstream: aiohttp.ClientResponse, tail: bytes) -> bool:
-    """False for a completions event stream whose last bytes are not `data: [DONE]`."""
-    if upstream.status != 200 or upstream.content_type != "text/event-stream":
-        return True
-    if lease.info.path.partition("?")[0] not in DONE_PATHS:
-        return True
-    return tail.rstrip().endswith(DONE)
 
 
 class Relay:
@@ -134,113 +129,125 @@ class Relay:
 
     async def forward(self, request: web.Request, lease: Lease) -> web.StreamResponse:
         """Relay `lease.info` to `lease.worker`; return the (finished) client response."""
+        conn = await self.start(request, lease)
+        return await self.respond(request, lease, conn)
+
+    async def start(self, request: web.Request, lease: Lease) -> UpstreamConnection:
+        """Send the request to the worker and wait for its status line and headers.
+
+        Nothing has reached the client yet: the caller may still answer it otherwise (then
+        it must `abandon` the connection). Raises WorkerUnreachable (no byte reached the
+        worker), UpstreamTimeout (no answer within the first-byte limit) or UpstreamError.
+        """
         info = lease.info
-        headers = upstream_headers(
-            request.headers,
-            info.request_id,
-            forward_authorization=self.forward_authorization,
-            worker_api_key=self.worker_api_key,
-        )
+        url = lease.worker.url
         t = self.timeouts
-        first_byte = _within(t.first_byte, t.total, lease.started)
         try:
-            async with asyncio.timeout(first_byte):
-                upstream = await self.pool.session.request(
-                    "POST",
-                    lease.worker.url + info.path,
-                    data=info.body,
-                    headers=headers,
-                    allow_redirects=False,
-                )
-        except aiohttp.ClientConnectorError as e:
-            raise WorkerUnreachable(
-                f"Worker {lease.worker.url} could not be reached: {e.os_error or e}"
-            ) from None
-        except aiohttp.ConnectionTimeoutError:
+            conn = await self.pool.acquire(url)
+        except TimeoutError:
             # The TCP handshake never completed: no byte reached the worker.
             raise WorkerUnreachable(
-                f"Worker {lease.worker.url} could not be reached: "
-                f"connect timed out after {t.connect:g} s"
+                f"Worker {url} could not be reached: connect timed out after {t.connect:g} s"
             ) from None
-        except TimeoutError:
-            raise UpstreamTimeout(
-                f"Worker {lease.worker.url} sent no answer within {first_byte:g} s."
-            ) from None
-        except aiohttp.ClientError as e:
-            raise UpstreamError(f"Worker {lease.worker.url} failed: {e}") from None
+        except OSError as e:
+            raise WorkerUnreachable(f"Worker {url} could not be reached: {e}") from None
+        try:
+            conn.send(
+                request_head(
+                    request.method,
+                    info.path,
+                    self.pool.origin(url).host_header,
+                    request.raw_headers,
+                    info.request_id,
+                    len(info.body),
+                    forward_authorization=self.forward_authorization,
+                    worker_api_key=self.worker_api_key,
+                ),
+                info.body,
+            )
+            limit = _within(t.first_byte, t.total, lease.started)
+            deadline = None if limit is None else asyncio.get_running_loop().time() + limit
+            await conn.wait_head(deadline)
+        except BaseException:
+            conn.close()
+            raise
+        if conn.error is not None:
+            conn.close()
+            kind, what = conn.error
+            if kind == connection.TIMEOUT:
+                raise UpstreamTimeout(f"Worker {url} sent no answer within {limit:g} s.")
+            raise UpstreamError(f"Worker {url} failed: it {what}.")
+        lease.status = conn.status
+        if conn.status in dispatch.RETRY_STATUSES and lease.can_retry:
+            self.abandon(conn)  # a busy worker's short answer; nothing of it reaches the client
+            raise WorkerRefused(f"Worker {url} answered {conn.status}.")
+        return conn
 
-        lease.status = upstream.status
-        if upstream.status in dispatch.RETRY_STATUSES and lease.can_retry:
-            upstream.close()  # a busy worker's short answer; nothing of it reaches the client
-            raise WorkerRefused(f"Worker {lease.worker.url} answered {upstream.status}.")
+    def abandon(self, conn: UpstreamConnection) -> None:
+        """Drop an answer that will not be relayed; the connection is kept only if that
+        answer was already read to its end."""
+        self.pool.release(conn)
+
+    async def respond(
+        self, request: web.Request, lease: Lease, conn: UpstreamConnection
+    ) -> web.StreamResponse:
+        """Commit the worker's status and headers to the client and relay the body."""
         try:
             response = web.StreamResponse(
-                status=upstream.status,
-                reason=upstream.reason,
-                headers=client_headers(upstream.headers, info.request_id),
+                status=conn.status,
+                reason=conn.reason.decode("latin-1") or None,
+                headers=client_headers(conn.headers, lease.info.request_id),
             )
-            if upstream.content_length is not None:
-                response.content_length = upstream.content_length
+            if conn.complete and _ended_well(lease, conn):
+                # The whole answer is here: one write for head and body.
+                body = conn.body_so_far()
+                response.content_length = len(body)
+                await response.prepare(request)
+                await response.write_eof(body)
+                return response
+            chunked = False
+            if conn.content_length is not None:
+                response.content_length = conn.content_length
+            elif request.version >= (1, 1):
+                response.enable_chunked_encoding()
+                chunked = True
             await response.prepare(request)
-            await self._copy_body(request, upstream, response, lease)
+            await response.write(conn.body_so_far())  # the headers, and any body so far
+            transport = request.transport
+            if transport is None:
+                raise ConnectionResetError("the client went away")
+            conn.attach(transport, chunked=chunked)
+            await self._relay_body(request, conn, lease)
+            if conn.error is None and _ended_well(lease, conn):
+                await response.write_eof()
+            else:
+                await self._cut_short(request, response, conn, lease, chunked)
             return response
         finally:
-            # Not read to the end (client gone, timeout, error): close the connection
-            # rather than return it to the pool, so the worker sees the abort.
-            upstream.close() if not upstream.content.at_eof() else upstream.release()
+            # Not read to the end (client gone, timeout, error): the connection is closed
+            # rather than returned to the pool, so the worker sees the abort.
+            self.pool.release(conn)
 
-    async def _copy_body(
+    async def _relay_body(self, request: web.Request, conn: UpstreamConnection, lease: Lease):
+        t = self.timeouts
+        total_at = None
+        if t.total:
+            remaining = lease.started + t.total - time.monotonic()
+            total_at = asyncio.get_running_loop().time() + remaining
+        while not await conn.wait_body(t.idle, total_at):
+            # The client reads slower than the worker writes: wait until it drained.
+            await request.writer.drain()
+            if request.transport is None or request.transport.is_closing():
+                raise ConnectionResetError("the client went away")
+            conn.resume()
+
+    async def _cut_short(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
         response: web.StreamResponse,
+        conn: UpstreamConnection,
         lease: Lease,
-    ) -> None:
-        t = self.timeouts
-        content = upstream.content
-        idle: float | None = None
-        # The body's last bytes, to see whether a completions stream ended with [DONE]:
-        # the last chunk itself, or (for tiny chunks) the last TAIL bytes pieced together.
-        tail = b""
-        try:
-            while True:
-                idle = _within(t.idle, t.total, lease.started)
-                async with asyncio.timeout(idle):
-                    chunk = await content.readany()
-                if not chunk:
-                    break
-                tail = chunk if len(chunk) >= TAIL else (tail + chunk)[-TAIL:]
-                await response.write(chunk)
-        except TimeoutError:
-            lease.outcome = dispatch.TIMEOUT
-            if t.total and time.monotonic() >= lease.started + t.total - 0.01:
-                message = f"The request took longer than the {t.total:g} s limit."
-            else:
-                message = f"Worker {lease.worker.url} sent nothing for {idle:g} s."
-        except (
-            aiohttp.ClientPayloadError,
-            aiohttp.ServerDisconnectedError,
-            aiohttp.ClientOSError,
-        ) as e:
-            lease.outcome = dispatch.BROKEN
-            message = f"Worker {lease.worker.url} failed mid-answer: {e}"
-        else:
-            if not _ended_well(lease, upstream, tail):
-                # The worker closed the stream cleanly but early: say so, as for a reset.
-                lease.outcome = dispatch.BROKEN
-                message = f"Worker {lease.worker.url} ended the stream without [DONE]."
-            else:
-                await response.write_eof()
-                return
-        await self._cut_short(request, response, upstream, message, tail)
-
-    @staticmethod
-    async def _cut_short(
-        request: web.Request,
-        response: web.StreamResponse,
-        upstream: aiohttp.ClientResponse,
-        message: str,
-        tail: bytes,
+        chunked: bool,
     ) -> None:
         """End a response whose headers already went out, so the client sees it failed.
 
@@ -249,9 +256,27 @@ class Relay:
         so the error event is read on its own. Any other body is cut by closing the
         connection, which every HTTP client reports as an incomplete answer.
         """
+        t = self.timeouts
+        url = lease.worker.url
+        kind, what = conn.error or (connection.BROKEN, "")
+        if conn.error is None:
+            # The worker closed the stream cleanly but early: say so, as for a reset.
+            lease.outcome = dispatch.BROKEN
+            message = f"Worker {url} ended the stream without [DONE]."
+        elif kind == connection.TIMEOUT:
+            lease.outcome = dispatch.TIMEOUT
+            if what == "total":
+                message = f"The request took longer than the {t.total:g} s limit."
+            else:
+                message = f"Worker {url} sent nothing for {t.idle:g} s."
+        else:
+            lease.outcome = dispatch.BROKEN
+            message = f"Worker {url} failed mid-answer: it {what}."
         log.warning("relay cut short", reason=message)
-        if upstream.content_type == "text/event-stream":
+        if chunked and conn.content_type.startswith(b"text/event-stream"):
+            # Start a new event even if the worker stopped in the middle of one.
             event = sse_error_event(message)
+            tail = conn.tail
             if tail and not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
                 event = b"\n\n" + event
             await response.write(event)
@@ -260,3 +285,26 @@ class Relay:
         response.force_close()
         if request.transport is not None:
             request.transport.close()
+
+
+# Streams vLLM always ends with `data: [DONE]` (its Responses API does not, so no check).
+DONE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+DONE = b"data: [DONE]"
+
+
+def _ended_well(lease: Lease, conn: UpstreamConnection) -> bool:
+    """False for a completions event stream whose last bytes are not `data: [DONE]`."""
+    if conn.status != 200 or not conn.content_type.startswith(b"text/event-stream"):
+        return True
+    if lease.info.path.partition("?")[0] not in DONE_PATHS:
+        return True
+    tail = conn.tail if conn.tail or not conn.out else b"".join(conn.out)[-connection.TAIL :]
+    return tail.rstrip().endswith(DONE)
+
+
+def _within(limit: float, total: float, started: float) -> float | None:
+    """The tighter of a limit and what remains of the total budget; None when neither."""
+    if not total:
+        return limit or None
+    remaining = max(0.001, started + total - time.monotonic())
+    return min(limit, remaining) if limit else remaining
