@@ -20,6 +20,7 @@ from vllm_gateway.policies import check_policy_name, make_policy
 from vllm_gateway.relay import Relay
 from vllm_gateway.routes import Routes, error_middleware
 from vllm_gateway.scrape import Scraper
+from vllm_gateway.siblings import Siblings
 from vllm_gateway.upstream import UpstreamPool
 from vllm_gateway.workers import WorkerRegistry
 
@@ -28,6 +29,8 @@ REGISTRY = web.AppKey("registry", WorkerRegistry)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 PROBER = web.AppKey("prober", Prober)
 SCRAPER = web.AppKey("scraper", Scraper)
+PROCESS_INDEX = web.AppKey("process_index", int)
+SIBLINGS = web.AppKey("siblings", Siblings)
 
 
 def check_app_config(config: GatewayConfig) -> None:
@@ -42,8 +45,19 @@ def check_app_config(config: GatewayConfig) -> None:
         raise ConfigError(problems)
 
 
-def create_app(config: GatewayConfig, *, rng: random.Random | None = None) -> web.Application:
-    """Build the gateway application for `config` (already validated by load_config)."""
+def create_app(
+    config: GatewayConfig,
+    *,
+    rng: random.Random | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+    control_dir: str | None = None,
+) -> web.Application:
+    """Build the gateway application for `config` (already validated by load_config).
+
+    `process_index` of `process_count`: which of the `serve --processes N` processes this
+    is; with more than one, `control_dir` holds the processes' unix sockets (siblings.py).
+    """
     check_app_config(config)
     rng = rng or random.Random()
     registry = WorkerRegistry()
@@ -66,8 +80,14 @@ def create_app(config: GatewayConfig, *, rng: random.Random | None = None) -> we
     prober = Prober(registry, pool, config.probe)
     scraper = Scraper(registry, pool, config.scrape)
 
+    siblings = None
+    middlewares = [error_middleware]
+    if process_count > 1:
+        assert control_dir is not None, "several processes need a control_dir"
+        siblings = Siblings(process_index, process_count, control_dir)
+        middlewares.insert(0, siblings.middleware())
     app = web.Application(
-        middlewares=[error_middleware],
+        middlewares=middlewares,
         # aiohttp enforces this on bodies without Content-Length; routes check the header.
         client_max_size=config.max_body_bytes,
     )
@@ -76,6 +96,7 @@ def create_app(config: GatewayConfig, *, rng: random.Random | None = None) -> we
     app[DISPATCHER] = dispatcher
     app[PROBER] = prober
     app[SCRAPER] = scraper
+    app[PROCESS_INDEX] = process_index
     Routes(registry, dispatcher, relay, config.max_body_bytes).add_to(app)
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -94,4 +115,13 @@ def create_app(config: GatewayConfig, *, rng: random.Random | None = None) -> we
         await scraper.stop()
 
     app.cleanup_ctx.extend([upstream_ctx, prober_ctx, scraper_ctx])
+    if siblings is not None:
+        app[SIBLINGS] = siblings
+
+        async def siblings_ctx(app: web.Application) -> AsyncIterator[None]:
+            await siblings.open()
+            yield
+            await siblings.close()
+
+        app.cleanup_ctx.append(siblings_ctx)
     return app

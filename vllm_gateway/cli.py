@@ -69,6 +69,11 @@ def _load(config_path: str | None, overrides: dict[str, Any]) -> GatewayConfig:
     "(docs/dispatch.md).",
 )
 @click.option(
+    "--processes",
+    type=int,
+    help="Gateway processes sharing the port (SO_REUSEPORT), e.g. one per core.  [default: 1]",
+)
+@click.option(
     "--log-format",
     type=click.Choice(["auto", "json", "console"]),
     help="Log format.  [default: auto: console on a TTY, JSON lines otherwise]",
@@ -89,6 +94,7 @@ def serve(
     port: int | None,
     workers: tuple[str, ...],
     policy: str | None,
+    processes: int | None,
     log_format: str | None,
     log_level: str | None,
     access_log: bool | None,
@@ -104,12 +110,13 @@ def serve(
         "port": port,
         "workers": list(workers) or None,
         "policy": policy,
+        "processes": processes,
         "log": {"format": log_format, "level": log_level, "access_log": access_log},
     }
     config = _load(config_path, overrides)
-    from vllm_gateway.daemon import run_gateway
+    from vllm_gateway.daemon import serve as serve_config
 
-    run_gateway(config)
+    sys.exit(serve_config(config))
 
 
 @main.command("check-config", context_settings=CONTEXT)

@@ -216,6 +216,15 @@ class GatewayConfig:
         unit="bytes",
         minimum=1024,
     )
+    processes: int = setting(
+        1,
+        "Gateway processes serving the port together (SO_REUSEPORT), each with its own "
+        "pools, probes and dispatcher; control requests reach all of them. One per core "
+        "is a good start.",
+        minimum=1,
+        maximum=256,
+        cli="--processes",
+    )
     workers: tuple[WorkerSpec, ...] = setting(
         (),
         "Static workers: `[[workers]]` tables in TOML; URLs on the command line "

@@ -47,13 +47,20 @@ ROOT_MODEL_PATHS = (
 )
 
 REQUEST_ID = web.RequestKey("request_id", str)
-_REQUEST_ID_PREFIX = os.urandom(4).hex()
-_request_counter = itertools.count(1)
 
 
-def new_request_id() -> str:
-    """A unique, cheap request id: a per-process random prefix and a counter."""
-    return f"gw-{_REQUEST_ID_PREFIX}-{next(_request_counter):x}"
+class RequestIds:
+    """Unique, cheap request ids: a random prefix per app (so per process, also after a
+    fork) and a counter."""
+
+    __slots__ = ("_counter", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = f"gw-{os.urandom(4).hex()}-"
+        self._counter = itertools.count(1)
+
+    def new(self) -> str:
+        return f"{self._prefix}{next(self._counter):x}"
 
 
 def json_response(doc: object, status: int = 200) -> web.Response:
@@ -98,6 +105,7 @@ class Routes:
         self.relay = relay
         self.max_body_bytes = max_body_bytes
         self.started = time.time()
+        self.request_ids = RequestIds()
 
     def add_to(self, app: web.Application) -> None:
         r = app.router
@@ -114,7 +122,7 @@ class Routes:
 
     async def relay_request(self, request: web.Request) -> web.StreamResponse:
         """Relay one OpenAI request to a worker serving its model."""
-        request_id = request.headers.get("X-Request-Id") or new_request_id()
+        request_id = request.headers.get("X-Request-Id") or self.request_ids.new()
         request[REQUEST_ID] = request_id
         body = await self._read_body(request)
         info = parse_request(request.path_qs, body, request_id, request.headers)

@@ -44,8 +44,13 @@ async def start_server(
     *,
     reuse_port: bool = False,
     shutdown_timeout: float = 5.0,
+    unix_path: str | None = None,
 ) -> RunningServer:
-    """Start serving `app`; return once it listens (its startup hooks have run)."""
+    """Start serving `app`; return once it listens (its startup hooks have run).
+
+    `reuse_port`: bind with SO_REUSEPORT (several processes on one port). `unix_path`: also
+    serve the same app on this unix socket (the sibling channel of `--processes`).
+    """
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a departed client cancels its handler (and the relay)
@@ -56,10 +61,12 @@ async def start_server(
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=4096)
     try:
         await site.start()
+        if unix_path is not None:
+            await web.UnixSite(runner, unix_path).start()
     except BaseException:
         await runner.cleanup()
         raise
-    bound = runner.addresses[0][1] if runner.addresses else port
+    bound = runner.addresses[0][1] if runner.addresses and port == 0 else port
     return RunningServer(runner, host, bound)
 
 

@@ -1,0 +1,154 @@
+"""Keeping the processes of one gateway (`serve --processes N`) in agreement.
+
+Each process has its own registry, pools, probes and dispatcher, and the kernel spreads
+client connections among them (SO_REUSEPORT). What one process is told, all must know:
+every state-changing control request (POST/PUT/PATCH/DELETE under /admin/, and the
+FastChat registration endpoints) that a process receives from a client is handled there
+and also re-sent, as is, to every sibling over its private unix socket, marked with the
+`X-Gateway-Sibling` header so that a sibling handles it locally and never fans it out
+again. This is generic over paths: a new control endpoint needs nothing here.
+
+`GET /list_workers` answers the same whichever process serves it: the process asks its
+siblings for their own view and adds up the per-process counters (in-flight, completed,
+failed); worker set, states and models are the serving process's own, which the fan-out
+keeps equal (probes run in every process, so a state may differ for one probe period).
+
+The unix sockets live in a directory only the gateway's user can enter; the sibling
+header is honoured only on them, never from a TCP client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from vllm_gateway.log import get_logger
+
+log = get_logger("vllm_gateway.siblings")
+
+SIBLING_HEADER = "X-Gateway-Sibling"
+CONTROL_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+CONTROL_PREFIXES = ("/admin/",)
+CONTROL_PATHS = frozenset({"/register_worker", "/receive_heart_beat", "/refresh_all_workers"})
+# Counters /list_workers adds up across processes (each process counts its own requests).
+SUMMED_FIELDS = ("inflight", "completed", "failed")
+# Longest wait for a sibling to handle a control request (a drain may wait for idle).
+SIBLING_TIMEOUT_SECONDS = 600.0
+_DROPPED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def socket_path(control_dir: str, index: int) -> str:
+    """The private unix socket of process `index`."""
+    return os.path.join(control_dir, f"process-{index}.sock")
+
+
+def is_control(method: str, path: str) -> bool:
+    """Does this request change state that every process must share?"""
+    return method in CONTROL_METHODS and (
+        path in CONTROL_PATHS or path.startswith(CONTROL_PREFIXES)
+    )
+
+
+def _from_sibling(request: web.Request) -> bool:
+    if SIBLING_HEADER not in request.headers:
+        return False
+    transport = request.transport
+    # Only a request that came over a unix socket may claim to come from a sibling.
+    return transport is not None and isinstance(transport.get_extra_info("sockname"), str)
+
+
+class Siblings:
+    """This process's view of the other processes of the gateway."""
+
+    def __init__(self, index: int, count: int, control_dir: str) -> None:
+        self.index = index
+        self.count = count
+        self.control_dir = control_dir
+        self.path = socket_path(control_dir, index)
+        self._sessions: list[aiohttp.ClientSession] = []
+        self.fanned_out = 0  # control requests re-sent to the siblings
+        self.fanout_failures = 0  # siblings that could not be told
+
+    async def open(self) -> None:
+        for i in range(self.count):
+            if i == self.index:
+                continue
+            self._sessions.append(
+                aiohttp.ClientSession(
+                    base_url="http://gateway-sibling",
+                    connector=aiohttp.UnixConnector(socket_path(self.control_dir, i)),
+                    timeout=aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_SECONDS, connect=5),
+                    auto_decompress=False,
+                )
+            )
+
+    async def close(self) -> None:
+        for s in self._sessions:
+            await s.close()
+        self._sessions.clear()
+
+    async def _send(
+        self, session: aiohttp.ClientSession, method: str, path: str, headers, body: bytes
+    ) -> tuple[int, bytes] | None:
+        try:
+            async with session.request(method, path, headers=headers, data=body) as r:
+                return r.status, await r.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self.fanout_failures += 1
+            log.warning("sibling unreachable", path=path, error=f"{type(e).__name__}: {e}")
+            return None
+
+    async def broadcast(self, request: web.Request, body: bytes) -> list[tuple[int, bytes] | None]:
+        """Re-send `request` (with `body`) to every sibling; their answers, None if failed."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
+        headers[SIBLING_HEADER] = str(self.index)
+        self.fanned_out += 1
+        return await asyncio.gather(
+            *(self._send(s, request.method, request.path_qs, headers, body) for s in self._sessions)
+        )
+
+    def middleware(self) -> Callable:
+        """The aiohttp middleware: fan control requests out, merge /list_workers."""
+
+        @web.middleware
+        async def siblings_middleware(request: web.Request, handler: Handler):
+            method = request.method
+            path = request.path
+            if method == "GET":
+                if path == "/list_workers" and not _from_sibling(request):
+                    return await self._merged_list_workers(request, handler)
+                return await handler(request)
+            if not is_control(method, path) or _from_sibling(request):
+                return await handler(request)
+            body = await request.read()  # cached: the handler reads it again
+            local, _ = await asyncio.gather(handler(request), self.broadcast(request, body))
+            return local
+
+        return siblings_middleware
+
+    async def _merged_list_workers(self, request: web.Request, handler: Handler):
+        local, others = await asyncio.gather(handler(request), self.broadcast(request, b""))
+        self.fanned_out -= 1  # a read, not a control request
+        if not isinstance(local, web.Response) or local.status != 200 or local.body is None:
+            return local
+        doc = orjson.loads(local.body)  # type: ignore[arg-type]
+        by_url = {w["url"]: w for w in doc.get("workers", [])}
+        for answer in others:
+            if answer is None or answer[0] != 200:
+                continue
+            for w in orjson.loads(answer[1]).get("workers", []):
+                mine = by_url.get(w.get("url"))
+                if mine is None:
+                    continue
+                for field in SUMMED_FIELDS:
+                    if isinstance(w.get(field), int) and isinstance(mine.get(field), int):
+                        mine[field] += w[field]
+        doc["processes"] = self.count
+        return web.Response(body=orjson.dumps(doc), content_type="application/json")
