@@ -52,6 +52,51 @@ def start_backend(args: argparse.Namespace, chunks: int, pace_ms: float) -> tupl
     return proc, url
 
 
+def start_nginx_backend() -> tuple[Proc, str]:
+    """nginx answering the fixed completion (cheaper than the Python backend); no streams."""
+    from benchmarks.backend import _JSON_ANSWER
+
+    port = free_port()
+    root = OUT / "nginx"
+    root.mkdir(exist_ok=True)
+    answer = _JSON_ANSWER.decode().replace("'", "\\'")
+    models = '{"object":"list","data":[{"id":"' + MODEL + '","object":"model"}]}'
+    conf = root / "nginx.conf"
+    conf.write_text(
+        f"""worker_processes 1;
+daemon off;
+pid {root}/nginx.pid;
+error_log stderr warn;
+events {{ worker_connections 65535; }}
+http {{
+  access_log off;
+  client_body_temp_path {root}/body; proxy_temp_path {root}/proxy;
+  fastcgi_temp_path {root}/fcgi; uwsgi_temp_path {root}/uwsgi; scgi_temp_path {root}/scgi;
+  keepalive_requests 10000000; keepalive_timeout 60s;
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    default_type application/json;
+    location = /health {{ return 200 ''; }}
+    location = /v1/models {{ return 200 '{models}'; }}
+    location = /metrics {{ default_type text/plain; return 200 ''; }}
+    location / {{ return 200 '{answer}'; }}
+  }}
+}}
+"""
+    )
+    proc = Proc("nginx", ["nginx", "-c", str(conf), "-p", str(root)], str(OUT / "nginx.log"))
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", 20, proc)
+    return proc, url
+
+
+def requests_backend(args: argparse.Namespace) -> tuple[Proc, str]:
+    """The backend for non-streamed requests: nginx when installed, else the Python one."""
+    if args.nginx and shutil.which("nginx"):
+        return start_nginx_backend()
+    return start_backend(args, args.chunks, args.pace_ms)
+
+
 def start_gateway(backend: str, processes: int = 1) -> tuple[Proc, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm_gateway", "serve", "--worker", backend]
@@ -223,7 +268,7 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 
 def mode_requests(args: argparse.Namespace, router_bin: str | None) -> dict:
-    backend, backend_url = start_backend(args, args.chunks, args.pace_ms)
+    backend, backend_url = requests_backend(args)
     procs = [backend]
     try:
         gateway, gw_url = start_gateway(backend_url)
@@ -383,7 +428,7 @@ def mode_hold(args: argparse.Namespace, router_bin: str | None) -> dict:
 
 
 def mode_processes(args: argparse.Namespace, router_bin: str | None) -> dict:
-    backend, backend_url = start_backend(args, args.chunks, args.pace_ms)
+    backend, backend_url = requests_backend(args)
     procs = [backend]
     try:
         one, url1 = start_gateway(backend_url, 1)
@@ -454,6 +499,12 @@ def main(argv: list[str]) -> None:
         default=None,
         help="use wrk for requests (default: when installed)",
     )
+    p.add_argument(
+        "--nginx",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="nginx as the backend for non-streamed requests when installed",
+    )
     p.add_argument("--json", help="also write every run's figures to this file")
     args = p.parse_args(argv)
     if args.wrk is None:
@@ -465,6 +516,7 @@ def main(argv: list[str]) -> None:
     print(
         f"vllm-gateway relay benchmark: {os.cpu_count()} cores, python {sys.version.split()[0]}, "
         f"load: {'wrk' if args.wrk else 'built-in'}, "
+        f"requests backend: {'nginx' if args.nginx and shutil.which('nginx') else 'python'}, "
         f"vllm-router: {router_bin or 'not installed (pip install vllm-router)'}"
     )
     started = time.monotonic()
