@@ -124,9 +124,9 @@ class UpstreamConnection(asyncio.Protocol):
             self.pool_idle.pop(self, None)
             self.pool_idle = None
         if self.busy and not self.complete and self.error is None:
-            what = "mid-answer" if self.status else "before answering"
+            what = "" if self.status else " before answering"
             reason = f" ({exc})" if exc else ""
-            self.error = (BROKEN, f"closed the connection {what}{reason}")
+            self.error = (BROKEN, f"closed the connection{what}{reason}")
         self._wake()
 
     def data_received(self, data: bytes) -> None:
@@ -212,6 +212,8 @@ class UpstreamConnection(asyncio.Protocol):
         data = out[0] if len(out) == 1 else b"".join(out)
         out.clear()
         self.out_size = 0
+        if data:
+            self.tail = data
         return data
 
     def attach(self, sink: asyncio.Transport, *, chunked: bool) -> None:
