@@ -213,7 +213,7 @@ class UpstreamConnection(asyncio.Protocol):
         out.clear()
         self.out_size = 0
         if data:
-            self.tail = data
+            self._keep_tail(data)
         return data
 
     def attach(self, sink: asyncio.Transport, *, chunked: bool) -> None:
@@ -279,7 +279,7 @@ class UpstreamConnection(asyncio.Protocol):
         data = out[0] if len(out) == 1 else b"".join(out)
         out.clear()
         self.out_size = 0
-        self.tail = data
+        self._keep_tail(data)
         sink = self.sink
         assert sink is not None
         if sink.is_closing():
@@ -298,6 +298,10 @@ class UpstreamConnection(asyncio.Protocol):
             if self.transport is not None:
                 self.transport.pause_reading()
             self._wake()
+
+    def _keep_tail(self, data: bytes) -> None:
+        # The last piece itself, or for tiny pieces (a drip) the last TAIL bytes joined.
+        self.tail = data if len(data) >= TAIL else (self.tail + data)[-TAIL:]
 
     async def _wait(self) -> None:
         waiter = self._waiter = self._loop.create_future()
