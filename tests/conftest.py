@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Awaitable, Callable
+import io
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 
+from vllm_gateway import log as log_setup
 from vllm_gateway.app import create_app
 from vllm_gateway.config import GatewayConfig, ProbeConfig, WorkerSpec
 from vllm_gateway.fake_worker import FakeWorker, FakeWorkerConfig
@@ -85,6 +89,23 @@ async def client() -> AsyncIterator[Callable[..., openai.AsyncOpenAI]]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
         yield session
+
+
+class LogLines(io.StringIO):
+    """What the gateway logged during a test, as JSON lines."""
+
+    def records(self, event: str | None = None) -> list[dict[str, Any]]:
+        out = [orjson.loads(line) for line in self.getvalue().splitlines() if line.startswith("{")]
+        return [r for r in out if event is None or r.get("event") == event]
+
+
+@pytest.fixture
+def logs() -> Iterator[LogLines]:
+    """Capture the structured log (JSON lines, level info) for the test's duration."""
+    lines = LogLines()
+    log_setup.configure("json", "info", stream=lines)
+    yield lines
+    logging.getLogger().handlers[:] = []
 
 
 async def wait_until(

@@ -12,11 +12,17 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from vllm_gateway.admin import AdminApi
+from vllm_gateway.aliases import AliasTable, check_alias
+from vllm_gateway.breaker import CircuitBreaker
 from vllm_gateway.config import GatewayConfig, normalize_url
 from vllm_gateway.dispatch import Dispatcher
 from vllm_gateway.errors import ConfigError
+from vllm_gateway.fleet import Fleet
 from vllm_gateway.health import Prober
+from vllm_gateway.log import get_logger
 from vllm_gateway.policies import check_policy_name, make_policy
+from vllm_gateway.registration import Registration
 from vllm_gateway.relay import Relay
 from vllm_gateway.routes import Routes, error_middleware
 from vllm_gateway.scrape import Scraper
@@ -31,6 +37,12 @@ PROBER = web.AppKey("prober", Prober)
 SCRAPER = web.AppKey("scraper", Scraper)
 PROCESS_INDEX = web.AppKey("process_index", int)
 SIBLINGS = web.AppKey("siblings", Siblings)
+BREAKER = web.AppKey("breaker", CircuitBreaker)
+FLEET = web.AppKey("fleet", Fleet)
+ALIASES = web.AppKey("aliases", AliasTable)
+REGISTRATION = web.AppKey("registration", Registration)
+
+log = get_logger("vllm_gateway.app")
 
 
 def check_app_config(config: GatewayConfig) -> None:
@@ -41,6 +53,9 @@ def check_app_config(config: GatewayConfig) -> None:
     for model, settings in config.models.items():
         if settings.policy and (problem := check_policy_name(settings.policy)):
             problems.append(f'models."{model}".policy: {problem}')
+    for name, targets in config.aliases.items():
+        if problem := check_alias(name, targets):
+            problems.append(f"aliases.{name}: {problem}")
     if problems:
         raise ConfigError(problems)
 
@@ -57,6 +72,7 @@ def create_app(
 
     `process_index` of `process_count`: which of the `serve --processes N` processes this
     is; with more than one, `control_dir` holds the processes' unix sockets (siblings.py).
+    Background jobs that must run once per host (autoscaler commands) run in process 0.
     """
     check_app_config(config)
     rng = rng or random.Random()
@@ -79,6 +95,18 @@ def create_app(
     relay = Relay(pool, config.timeouts)
     prober = Prober(registry, pool, config.probe)
     scraper = Scraper(registry, pool, config.scrape)
+    breaker = CircuitBreaker(registry, config.breaker)
+    dispatcher.on_release.append(breaker.on_release)
+    fleet = Fleet(registry, prober, breaker)
+    aliases = AliasTable(registry, config.aliases, rng)
+    registration = Registration(fleet, dispatcher, aliases, config.registration)
+    admin = AdminApi(
+        fleet,
+        aliases,
+        config.admin.token,
+        config.admin.drain_timeout,
+        describers=[registration.describe],
+    )
 
     siblings = None
     middlewares = [error_middleware]
@@ -97,7 +125,14 @@ def create_app(
     app[PROBER] = prober
     app[SCRAPER] = scraper
     app[PROCESS_INDEX] = process_index
-    Routes(registry, dispatcher, relay, config.max_body_bytes).add_to(app)
+    app[BREAKER] = breaker
+    app[FLEET] = fleet
+    app[ALIASES] = aliases
+    app[REGISTRATION] = registration
+    Routes(registry, dispatcher, relay, config.max_body_bytes, aliases).add_to(app)
+    if config.registration.enabled:
+        registration.add_to(app)
+    app.add_subapp("/admin/", admin.app())
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         await pool.open()
@@ -114,7 +149,16 @@ def create_app(
         yield
         await scraper.stop()
 
-    app.cleanup_ctx.extend([upstream_ctx, prober_ctx, scraper_ctx])
+    async def fleet_ctx(app: web.Application) -> AsyncIterator[None]:
+        if config.registration.enabled:
+            if process_index == 0:
+                _warn_if_registration_open(config)
+            await registration.start()
+        yield
+        await registration.stop()
+        breaker.stop()
+
+    app.cleanup_ctx.extend([upstream_ctx, prober_ctx, scraper_ctx, fleet_ctx])
     if siblings is not None:
         app[SIBLINGS] = siblings
 
@@ -125,3 +169,15 @@ def create_app(
 
         app.cleanup_ctx.append(siblings_ctx)
     return app
+
+
+def _warn_if_registration_open(config: GatewayConfig) -> None:
+    """Registration without a token is fine on loopback, and worth a warning elsewhere."""
+    if not config.registration.token and config.host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning(
+            "registration needs no token while the gateway listens beyond loopback: "
+            "anyone who reaches it may register a worker inside the allowed networks; "
+            "set registration.token (VLLM_GATEWAY_REGISTRATION_TOKEN)",
+            host=config.host,
+            allowed_networks=list(config.registration.allowed_networks),
+        )

@@ -13,6 +13,7 @@ Naming: a top-level key `port` is `VLLM_GATEWAY_PORT`; a key `format` in section
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
@@ -192,6 +193,85 @@ class ModelConfig:
     policy: str = setting("", "Dispatch policy for this model; empty: the global `policy`.")
 
 
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """The passive circuit breaker: stop sending to a worker whose requests keep failing."""
+
+    failures: int = setting(
+        5,
+        "Failed requests in a row (connect error, 5xx answer, broken or timed-out relay) "
+        "that open a worker's circuit. 0 disables the breaker.",
+        minimum=0,
+    )
+    open_seconds: float = setting(
+        10.0,
+        "How long an open circuit sends nothing before one trial request (half-open).",
+        unit="seconds",
+        minimum=0.01,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class AdminConfig:
+    """The admin API under /admin/ (workers, drain, aliases, scale signals)."""
+
+    token: str = setting(
+        "",
+        "Bearer token the admin API requires. Empty: the admin API refuses every request.",
+        secret=True,
+    )
+    drain_timeout: float = setting(
+        600.0,
+        "Longest a drain that waits for the worker to go idle waits, unless the request "
+        "gives its own timeout.",
+        unit="seconds",
+        minimum=0.0,
+    )
+
+
+# Loopback and private networks (RFC 1918, RFC 4193). Not link-local: 169.254.169.254 is
+# the cloud metadata service, the classic target of a request-forgery attack.
+PRIVATE_NETWORKS = (
+    "127.0.0.0/8",
+    "::1/128",
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "fc00::/7",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrationConfig:
+    """Workers joining by themselves: FastChat's /register_worker and heartbeats."""
+
+    enabled: bool = setting(
+        True, "Serve /register_worker, /receive_heart_beat and the other registration paths."
+    )
+    token: str = setting(
+        "",
+        "Bearer token a registering worker (or `vllm-gateway register`) must send. "
+        "Empty: no token needed (then keep the gateway's port off untrusted networks).",
+        secret=True,
+    )
+    allowed_networks: tuple[str, ...] = setting(
+        PRIVATE_NETWORKS,
+        "Networks (CIDR) a registered worker URL may point into. A host name must resolve "
+        "into them, unless it is listed in allowed_hosts. Default: loopback and private.",
+    )
+    allowed_hosts: tuple[str, ...] = setting(
+        (),
+        "Host names accepted as registered workers without resolving them; `*.example` "
+        "accepts every name under example.",
+    )
+    heartbeat_expiry: float = setting(
+        90.0,
+        "A registered worker that sent no heartbeat for this long is removed (FastChat's default).",
+        unit="seconds",
+        minimum=0.1,
+    )
+
+
 # --- the whole configuration ----------------------------------------------------------------
 
 
@@ -237,9 +317,18 @@ class GatewayConfig:
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    admin: AdminConfig = field(default_factory=AdminConfig)
+    registration: RegistrationConfig = field(default_factory=RegistrationConfig)
     # setting() turns a dict default into a default_factory, so no instance shares it.
     models: dict[str, ModelConfig] = setting(  # noqa: RUF009
         {}, 'Per-model settings: `[models."NAME"]` tables in TOML, keyed by model name.'
+    )
+    aliases: dict[str, dict[str, float]] = setting(  # noqa: RUF009
+        {},
+        'Model aliases and weighted splits: `[aliases]` with `llama = { "llama-v1" = 90, '
+        '"llama-v2" = 10 }` sends requests for llama to the two versions 90:10 '
+        "(the body's model rewritten).",
     )
 
 
@@ -302,6 +391,11 @@ def validate(config: GatewayConfig) -> list[str]:
             errors.append(f"scrape.{key}: name at least one metric")
     if not config.host or any(c in config.host for c in "/ "):
         errors.append(f"host: {config.host!r} is not an address or host name")
+    for i, net in enumerate(config.registration.allowed_networks):
+        try:
+            ipaddress.ip_network(net, strict=False)
+        except ValueError:
+            errors.append(f"registration.allowed_networks[{i}]: {net!r} is not a network (CIDR)")
     return errors
 
 

@@ -166,6 +166,13 @@ class Dispatcher:
         """Hold a worker for `info` for the duration of an `async with` block."""
         return _LeaseContext(self, info, exclude)
 
+    def choose(self, info: RequestInfo) -> Worker | None:
+        """The worker a request for `info` would get now, without taking it (FastChat's
+        /get_worker_address)."""
+        candidates = [w for w in self.registry.serving(info.model) if w.available]
+        policy = self.policy_for_model.get(info.model, self.policy)
+        return policy.select(candidates, info) if candidates else None
+
     async def before_retry(self, lease: Lease, error: UpstreamError) -> None:
         """Count and log a retry of `lease`'s request, then wait out the backoff.
 

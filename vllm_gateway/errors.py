@@ -9,6 +9,7 @@
         ├── Unauthorized        401
         ├── Forbidden           403
         ├── ModelNotFound       404 model_not_found
+        ├── WorkerNotFound      404 worker_not_found (admin and registration APIs)
         ├── RouteNotFound       404 / 405 (no such endpoint or method)
         ├── QueueFull           429 with Retry-After
         ├── NoWorkerAvailable   503 with Retry-After
@@ -86,6 +87,12 @@ class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
     code = "model_not_found"
+
+
+class WorkerNotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "worker_not_found"
 
 
 class RouteNotFound(GatewayError):

@@ -88,6 +88,23 @@ class Prober:
         )
         for worker, result in zip(workers, results, strict=True):
             self.apply(worker, result)
+        # Forget the counts of workers that left, so one re-added later starts afresh.
+        for counts in (self._passes, self._fails):
+            for url in [u for u in counts if self.registry.get(u) is None]:
+                del counts[url]
+
+    async def probe_one(self, worker: Worker) -> ProbeResult:
+        """Probe one worker now (it was just added, registered or undrained)."""
+        result = await probe_worker(
+            self.pool.session, worker.url, self.config.timeout, self.api_key
+        )
+        self.apply(worker, result)
+        return result
+
+    def forget(self, url: str) -> None:
+        """Start counting afresh for `url` (it was re-added)."""
+        self._passes.pop(url, None)
+        self._fails.pop(url, None)
 
     def apply(self, worker: Worker, result: ProbeResult) -> None:
         """Count a probe result and move the worker's state when a threshold is crossed."""

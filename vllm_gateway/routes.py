@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
+from vllm_gateway.aliases import AliasTable
 from vllm_gateway.dispatch import Dispatcher, outcome_of
 from vllm_gateway.errors import (
     BodyTooLarge,
@@ -99,11 +100,13 @@ class Routes:
         dispatcher: Dispatcher,
         relay: Relay,
         max_body_bytes: int,
+        aliases: AliasTable | None = None,
     ) -> None:
         self.registry = registry
         self.dispatcher = dispatcher
         self.relay = relay
         self.max_body_bytes = max_body_bytes
+        self.aliases = aliases or AliasTable(registry)
         self.started = time.time()
         self.request_ids = RequestIds()
 
@@ -127,6 +130,7 @@ class Routes:
         body = await self._read_body(request)
         info = parse_request(request.path_qs, body, request_id, request.headers)
         bind_request(request_id=request_id, model=info.model)
+        info = self.aliases.resolve(info)
         tried: list[Worker] = []
         try:
             while True:
@@ -160,13 +164,17 @@ class Routes:
         created = int(self.started)
         data = [
             {"id": m, "object": "model", "created": created, "owned_by": "vllm-gateway"}
-            for m in self.registry.ready_models()
+            for m in self._ready_models()
         ]
         return json_response({"object": "list", "data": data})
 
     async def list_models(self, request: web.Request) -> web.Response:
         """GET/POST /list_models, FastChat's controller shape."""
-        return json_response({"models": self.registry.ready_models()})
+        return json_response({"models": self._ready_models()})
+
+    def _ready_models(self) -> list[str]:
+        """Models with a ready worker, and the aliases that lead to one."""
+        return sorted({*self.registry.ready_models(), *self.aliases.ready_names()})
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when at least one worker is ready, 503 otherwise; a summary either way."""
@@ -195,6 +203,7 @@ def describe_worker(w: Worker, now: float) -> dict[str, object]:
         "models": sorted(w.models),
         "state": w.state.value,
         "state_reason": w.state_reason,
+        "circuit": w.circuit.value,
         "source": w.source,
         "weight": w.weight,
         "inflight": w.inflight,

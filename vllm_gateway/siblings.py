@@ -34,7 +34,17 @@ log = get_logger("vllm_gateway.siblings")
 SIBLING_HEADER = "X-Gateway-Sibling"
 CONTROL_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 CONTROL_PREFIXES = ("/admin/",)
-CONTROL_PATHS = frozenset({"/register_worker", "/receive_heart_beat", "/refresh_all_workers"})
+# FastChat's registration paths, and the two the `vllm-gateway register` agent adds
+# (registration.CONTROL_PATHS).
+CONTROL_PATHS = frozenset(
+    {
+        "/register_worker",
+        "/receive_heart_beat",
+        "/refresh_all_workers",
+        "/drain_worker",
+        "/unregister_worker",
+    }
+)
 # Counters /list_workers adds up across processes (each process counts its own requests).
 SUMMED_FIELDS = ("inflight", "completed", "failed")
 # Longest wait for a sibling to handle a control request (a drain may wait for idle).

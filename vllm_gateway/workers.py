@@ -5,7 +5,10 @@ through `WorkerRegistry` methods. Each transition method answers "did anything c
 logs only when it did, so logs show the fleet's history and not its heartbeat.
 
 States: joining (known, not yet seen healthy) -> ready -> draining -> removed, plus
-unhealthy (failed probes or an open circuit). Only ready workers take new requests.
+unhealthy (failed probes). Beside the state, each worker has a circuit (closed, open,
+half-open) that the passive breaker (breaker.py) moves on request outcomes. `available` is
+the one predicate every policy asks: ready, and a circuit that lets a request through
+(closed, or half-open with nothing in flight: one trial at a time).
 """
 
 from __future__ import annotations
@@ -28,6 +31,14 @@ class WorkerState(enum.StrEnum):
     REMOVED = "removed"
 
 
+class Circuit(enum.StrEnum):
+    """The passive breaker's verdict on a worker (see breaker.py)."""
+
+    CLOSED = "closed"  # requests flow
+    OPEN = "open"  # too many failures in a row: no requests until the open time passes
+    HALF_OPEN = "half_open"  # one trial request at a time; success closes, failure reopens
+
+
 @dataclass(frozen=True, slots=True)
 class EngineStats:
     """One scrape of a worker's /metrics, summed over its engines."""
@@ -43,7 +54,10 @@ class Worker:
 
     __slots__ = (
         "added_at",
+        "breaker_openings",
+        "circuit",
         "completed",
+        "consecutive_failures",
         "failed",
         "finished_since_scrape",
         "inflight",
@@ -85,11 +99,18 @@ class Worker:
         self.completed = 0
         self.failed = 0
         self.added_at = time.monotonic()
+        self.circuit = Circuit.CLOSED
+        self.consecutive_failures = 0  # failed leases since the last success (breaker.py)
+        self.breaker_openings = 0  # times the circuit opened (telemetry reads it)
 
     @property
     def available(self) -> bool:
-        """May take a new request: ready (not joining, draining, unhealthy or removed)."""
-        return self.state is WorkerState.READY
+        """May take a new request: ready (not joining, draining, unhealthy or removed) and
+        the circuit lets it through (closed, or half-open with no request in flight)."""
+        if self.state is not WorkerState.READY:
+            return False
+        circuit = self.circuit
+        return circuit is Circuit.CLOSED or (circuit is Circuit.HALF_OPEN and self.inflight == 0)
 
     def __repr__(self) -> str:
         return f"Worker({self.url!r}, {self.state}, inflight={self.inflight})"
@@ -176,6 +197,27 @@ class WorkerRegistry:
         worker.state_reason = reason
         self._changed()
         log.info("worker state", worker=worker.url, old=str(old), new=str(state), reason=reason)
+        return True
+
+    def set_circuit(self, worker: Worker, circuit: Circuit, reason: str) -> bool:
+        """Move a worker's circuit; log and return True only if that is a change."""
+        if worker.circuit is circuit or worker.state is WorkerState.REMOVED:
+            return False
+        old = worker.circuit
+        worker.circuit = circuit
+        if circuit is Circuit.OPEN:
+            worker.breaker_openings += 1
+        if circuit is not Circuit.OPEN:
+            self._changed()  # it may take requests again
+        log.info("worker circuit", worker=worker.url, old=str(old), new=str(circuit), reason=reason)
+        return True
+
+    def set_weight(self, worker: Worker, weight: float) -> bool:
+        """Change a worker's relative share of traffic."""
+        if worker.weight == weight:
+            return False
+        old, worker.weight = worker.weight, weight
+        log.info("worker weight", worker=worker.url, old=old, new=weight)
         return True
 
     def set_models(self, worker: Worker, models: Iterable[str]) -> bool:

@@ -1,0 +1,138 @@
+"""The admin API over real sockets: its token, worker operations, aliases and splits."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import openai
+import orjson
+import pytest
+
+from vllm_gateway.admin_client import AdminClient, AdminError
+from vllm_gateway.app import REGISTRY
+from vllm_gateway.config import AdminConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+TOKEN = "admin-secret-7f3a"
+ADMIN = AdminConfig(token=TOKEN)
+
+
+def models_asked(worker) -> Counter:
+    """The `model` of each completion request the worker received."""
+    return Counter(
+        orjson.loads(r.body)["model"] for r in worker.stats.requests if r.path == "/v1/completions"
+    )
+
+
+async def test_admin_api_without_a_configured_token_is_refused(gateway, http, logs):
+    gw = await gateway([])
+    for headers in ({}, {"Authorization": "Bearer anything"}):
+        async with http.get(gw.url + "/admin/workers", headers=headers) as r:
+            assert r.status == 403
+            body = await r.json()
+    assert body["error"]["type"] == "permission_error"
+    assert "admin.token" in body["error"]["message"]
+    refused = logs.records("control request refused")
+    assert len(refused) == 2 and refused[0]["path"] == "/admin/workers"
+    assert "anything" not in logs.getvalue()
+
+
+@pytest.mark.parametrize("header", [None, "Bearer wrong-token", "Basic " + TOKEN, TOKEN])
+async def test_admin_api_needs_the_right_bearer_token(gateway, http, logs, header):
+    gw = await gateway([], admin=ADMIN)
+    headers = {"Authorization": header} if header else {}
+    async with http.post(gw.url + "/admin/workers/add", headers=headers, json={}) as r:
+        assert r.status == 401
+        body = await r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "authentication_error"
+    [record] = logs.records("control request refused")
+    assert record["api"] == "admin API" and record["peer"] == "127.0.0.1"
+    assert TOKEN not in logs.getvalue() and "wrong-token" not in logs.getvalue()
+
+
+async def test_add_weight_remove_a_worker(fake_worker, gateway, client):
+    w = await fake_worker(models="m")
+    gw = await gateway([], admin=ADMIN)
+    async with AdminClient(gw.url, TOKEN) as admin:
+        answer = await admin.add(w.url + "/")  # normalized: no trailing slash
+        assert answer["added"] is True
+        assert answer["worker"]["state"] == "ready"  # probed at once
+        assert answer["worker"]["source"] == "admin" and answer["worker"]["url"] == w.url
+        assert (await admin.add(w.url))["added"] is False  # idempotent
+        await client(gw).completions.create(model="m", prompt="x", max_tokens=1)
+
+        assert (await admin.set_weight(w.url, 3))["worker"]["weight"] == 3.0
+        [listed] = await admin.workers()
+        assert listed["circuit"] == "closed" and listed["completed"] == 1
+
+        assert (await admin.remove(w.url, drain=True, timeout=5))["idle"] is True
+        assert await admin.workers() == []
+        with pytest.raises(AdminError) as e:
+            await admin.remove(w.url)
+        assert e.value.status == 404
+        with pytest.raises(AdminError) as e:
+            await admin.add("ftp://nowhere")
+        assert e.value.status == 400 and "http://" in e.value.message
+
+
+async def test_weighted_split_rewrites_the_model_and_skips_unavailable_targets(
+    fake_worker, gateway, client
+):
+    v1 = await fake_worker(models="llama-v1", tpot_ms=1, ttft_ms=1)
+    v2 = await fake_worker(models="llama-v2", tpot_ms=1, ttft_ms=1)
+    gw = await gateway([v1, v2], admin=ADMIN, aliases={"llama": {"llama-v1": 1}})
+    c = client(gw)
+    ids = [m.id for m in (await c.models.list()).data]
+    assert ids == ["llama", "llama-v1", "llama-v2"]
+
+    async with AdminClient(gw.url, TOKEN) as admin:
+        await admin.set_alias("llama", {"llama-v1": 3, "llama-v2": 1})
+        assert (await admin.aliases())["llama"] == {
+            "targets": {"llama-v1": 0.75, "llama-v2": 0.25},
+            "source": "admin",
+        }
+        answers = await asyncio.gather(
+            *(c.completions.create(model="llama", prompt="x", max_tokens=1) for _ in range(200))
+        )
+        # Each worker saw only its own model name: the body was rewritten.
+        assert set(models_asked(v1)) == {"llama-v1"} and set(models_asked(v2)) == {"llama-v2"}
+        share = models_asked(v2)["llama-v2"] / 200
+        assert 0.12 < share < 0.40, share  # 25 % expected
+        assert {a.model for a in answers} == {"llama-v1", "llama-v2"}
+
+        # One session stays on one version.
+        for user in ("alice", "bob", "carol"):
+            got = {
+                (
+                    await c.completions.create(model="llama", prompt="x", max_tokens=1, user=user)
+                ).model
+                for _ in range(8)
+            }
+            assert len(got) == 1, (user, got)
+
+        # A target with no available worker is skipped while another can serve.
+        await admin.drain(v1.url)
+        answers = await asyncio.gather(
+            *(c.completions.create(model="llama", prompt="x", max_tokens=1) for _ in range(20))
+        )
+        assert {a.model for a in answers} == {"llama-v2"}
+
+        # Removing the admin alias lets the config's alias show through again.
+        await admin.undrain(v1.url)
+        await admin.remove_alias("llama")
+        answer = await c.completions.create(model="llama", prompt="x", max_tokens=1)
+        assert answer.model == "llama-v1"
+        with pytest.raises(AdminError) as e:
+            await admin.set_alias("bad", {"llama-v1": 0})
+        assert e.value.status == 400
+
+
+async def test_unknown_alias_target_is_a_404_naming_models(fake_worker, gateway, client):
+    w = await fake_worker(models="m")
+    gw = await gateway([w], aliases={"x": {"missing": 1}})
+    with pytest.raises(openai.NotFoundError):
+        await client(gw).completions.create(model="x", prompt="x", max_tokens=1)
+    assert gw.app[REGISTRY].get(w.url).completed == 0
