@@ -88,6 +88,12 @@ def _load(config_path: str | None, overrides: dict[str, Any]) -> GatewayConfig:
     default=None,
     help="One JSON line per finished request.  [default: off]",
 )
+@click.option(
+    "--shutdown-timeout",
+    type=float,
+    metavar="SECONDS",
+    help="On SIGTERM, how long requests in flight may take to finish.  [default: 30]",
+)
 def serve(
     config_path: str | None,
     host: str | None,
@@ -98,12 +104,17 @@ def serve(
     log_format: str | None,
     log_level: str | None,
     access_log: bool | None,
+    shutdown_timeout: float | None,
 ) -> None:
     """Run the gateway in front of the given workers.
 
     Settings come from, lowest precedence first: built-in defaults, the --config file,
     VLLM_GATEWAY_* environment variables, then these options. Every setting is listed in
     docs/configuration.md.
+
+    \b
+    SIGHUP reloads the configuration (an invalid one is refused, the running one stays);
+    SIGTERM stops gracefully: no new connections, requests in flight finish first.
     """
     overrides = {
         "host": host,
@@ -112,11 +123,13 @@ def serve(
         "policy": policy,
         "processes": processes,
         "log": {"format": log_format, "level": log_level, "access_log": access_log},
+        "lifecycle": {"shutdown_timeout": shutdown_timeout},
     }
     config = _load(config_path, overrides)
     from vllm_gateway.daemon import serve as serve_config
 
-    sys.exit(serve_config(config))
+    # SIGHUP reloads from the same sources: the file, the environment, these options.
+    sys.exit(serve_config(config, lambda: load_config(config_path, overrides=overrides)))
 
 
 @main.command("check-config", context_settings=CONTEXT)

@@ -187,6 +187,21 @@ class DispatchConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LifecycleConfig:
+    """Stopping the running gateway (SIGTERM) gracefully."""
+
+    shutdown_timeout: float = setting(
+        30.0,
+        "On SIGTERM: how long in-flight requests and streams may take to finish once the "
+        "gateway stops accepting connections; the rest are then ended (an SSE error event, "
+        "or a 503 before any answer). Keep systemd's TimeoutStopSec above it.",
+        unit="seconds",
+        minimum=0.0,
+        cli="--shutdown-timeout",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     """Settings for one model name: a `[models."NAME"]` table."""
 
@@ -272,6 +287,16 @@ class RegistrationConfig:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class TelemetryConfig:
+    """The gateway's own metrics and status page (changes take effect at restart)."""
+
+    metrics: bool = setting(True, "Serve Prometheus metrics at /metrics.")
+    status_page: bool = setting(
+        True, "Serve the live status page at / and /dashboard (its data is GET /stats)."
+    )
+
+
 # --- the whole configuration ----------------------------------------------------------------
 
 
@@ -330,6 +355,8 @@ class GatewayConfig:
         '"llama-v2" = 10 }` sends requests for llama to the two versions 90:10 '
         "(the body's model rewritten).",
     )
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
 
 
 # --- loading --------------------------------------------------------------------------------

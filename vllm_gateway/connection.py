@@ -26,6 +26,7 @@ worker did not ask to close it (`reusable`).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httptools
 
@@ -51,12 +52,14 @@ class UpstreamConnection(asyncio.Protocol):
         "_loop",
         "_timer",
         "_waiter",
+        "body_bytes",
         "busy",
         "chunked_out",
         "complete",
         "content_length",
         "content_type",
         "error",
+        "first_body_at",
         "headers",
         "high_water",
         "idle_since",
@@ -104,6 +107,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.out: list[bytes] = []
         self.out_size = 0
         self.tail = b""  # the last body bytes relayed (to end an event stream cleanly)
+        self.body_bytes = 0  # body bytes received so far (telemetry, access log)
+        self.first_body_at = 0.0  # time.monotonic() of the first body byte; 0.0: none yet
         self.sink: asyncio.Transport | None = None
         self.chunked_out = False
         self.high_water = 0
@@ -171,6 +176,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        if not self.body_bytes:
+            self.first_body_at = time.monotonic()
+        self.body_bytes += len(body)
         self.out.append(body)
         self.out_size += len(body)
 

@@ -62,6 +62,7 @@ UNREACHABLE = "unreachable"  # the worker could not be reached
 REFUSED = "refused"  # the worker answered 503/429 and the request went to another one
 TIMEOUT = "timeout"  # a relay timeout expired
 BROKEN = "broken"  # the worker failed mid-answer (reset, malformed framing)
+SHUTDOWN = "shutdown"  # the gateway stopped before the answer ended (shutdown grace ran out)
 
 
 class Lease:
@@ -70,7 +71,9 @@ class Lease:
     __slots__ = (
         "_dispatcher",
         "attempt",
+        "bytes",
         "can_retry",
+        "first_byte",
         "info",
         "outcome",
         "started",
@@ -95,6 +98,10 @@ class Lease:
         self.attempt = attempt  # 1 for the first worker tried, 2 for the next, ...
         # Another attempt is allowed if this one fails retryably (the rule above).
         self.can_retry = can_retry
+        # Set by the relay: time.monotonic() when the first body byte went to the client
+        # (0.0 until then), and the body bytes relayed (telemetry, access log).
+        self.first_byte = 0.0
+        self.bytes = 0
 
 
 class _LeaseContext:

@@ -13,7 +13,8 @@
         ├── RouteNotFound       404 / 405 (no such endpoint or method)
         ├── QueueFull           429 with Retry-After
         ├── NoWorkerAvailable   503 with Retry-After
-        │   └── QueueTimeout    503 (waited in the admission queue too long)
+        │   ├── QueueTimeout    503 (waited in the admission queue too long)
+        │   └── GatewayStopping 503 (shut down before the worker answered)
         └── UpstreamError       502 (a worker failed before answering)
             ├── WorkerUnreachable   502, retryable: no request byte reached the worker
             ├── WorkerRefused       503, retryable: the worker answered 503/429 (not relayed)
@@ -121,6 +122,12 @@ class NoWorkerAvailable(GatewayError):
 
 class QueueTimeout(NoWorkerAvailable):
     code = "queue_timeout"
+
+
+class GatewayStopping(NoWorkerAvailable):
+    """The gateway stopped (its shutdown grace ran out) before the worker answered."""
+
+    code = "gateway_stopping"
 
 
 class UpstreamError(GatewayError):

@@ -1,15 +1,19 @@
 """The one structlog configuration, and the context every request's log lines carry.
 
-`configure` is called once per process. Request handlers bind `request_id`, `model` and
-`worker` with `bind_request`; structlog's contextvars merge puts them on every line logged
-while that request runs, so no call site passes them by hand. Records from the standard
-`logging` module (aiohttp's own) go through the same renderer, so the output is one format.
+`configure` is called at start, and again when a reload changes the log settings (loggers are
+not cached, so a new level applies to every module at once). Request handlers bind
+`request_id`, `model` and `worker` with `bind_request`; structlog's contextvars merge puts
+them on every line logged while that request runs, so no call site passes them by hand.
+Records from the standard `logging` module (aiohttp's own) go through the same renderer, so
+the output is one format.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -24,6 +28,10 @@ LEVELS = {
 }
 
 
+# The stream JSON lines go to, when the format is json: the access log writes there directly.
+_json_stream: Any = None
+
+
 def _orjson_dumps(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default or str).decode()
 
@@ -34,9 +42,11 @@ def configure(format: str = "auto", level: str = "info", stream: Any = None) -> 
     format: "json" (one object per line), "console" (for humans), or "auto" (console when
     `stream` is a TTY, JSON otherwise).
     """
+    global _json_stream
     stream = stream or sys.stderr
     if format == "auto":
         format = "console" if getattr(stream, "isatty", lambda: False)() else "json"
+    _json_stream = stream if format == "json" else None
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
@@ -51,7 +61,8 @@ def configure(format: str = "auto", level: str = "info", stream: Any = None) -> 
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         wrapper_class=structlog.make_filtering_bound_logger(LEVELS[level]),
         logger_factory=structlog.stdlib.LoggerFactory(),
-        cache_logger_on_first_use=True,
+        # Not cached, so a reload's new level reaches loggers already in use (~1 µs a call).
+        cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(stream)
     handler.setFormatter(
@@ -65,6 +76,40 @@ def configure(format: str = "auto", level: str = "info", stream: Any = None) -> 
     root.setLevel(LEVELS[level])
     # aiohttp's access logger would write one unstructured line per request; ours is opt-in.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    # Ours is written whatever the level: switching it on is the operator's explicit wish.
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO)
+
+
+ACCESS_LOGGER = "vllm_gateway.access"
+
+
+def access_writer() -> Callable[[dict[str, Any]], None]:
+    """A function that writes one access log line (event "request") from a dict of fields.
+
+    With JSON lines (the format under systemd) it renders the line itself with orjson, in the
+    shape structlog would (fields, event, level, timestamp): about 3 µs a line instead of
+    about 14 µs through structlog and `logging`. Otherwise it goes through structlog.
+    """
+    stream = _json_stream
+    if stream is None:
+        logger = structlog.get_logger(ACCESS_LOGGER)
+
+        def write_console(fields: dict[str, Any]) -> None:
+            logger.info("request", **fields)
+
+        return write_console
+    now = datetime.datetime.now
+    utc = datetime.UTC
+    dumps = orjson.dumps
+
+    def write_json(fields: dict[str, Any]) -> None:
+        fields["event"] = "request"
+        fields["level"] = "info"
+        fields["timestamp"] = now(utc).isoformat().replace("+00:00", "Z")
+        stream.write(dumps(fields, default=str).decode() + "\n")
+        stream.flush()
+
+    return write_json
 
 
 def get_logger(name: str) -> structlog.stdlib.BoundLogger:

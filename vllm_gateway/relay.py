@@ -19,7 +19,9 @@ failure raises a `GatewayError` (the handler answers with an OpenAI error body;
 SSE error event and a proper end of stream; any other body is cut by closing the connection,
 so the client can tell it was cut short. A client that goes away cancels the handler;
 leaving this module then closes the worker connection, which makes vLLM abort the
-generation.
+generation. When the gateway's shutdown grace runs out (`closing` set, handlers cancelled),
+the answer is ended cleanly instead: a 503 before the worker answered, an SSE error event in
+a stream, a closed connection for any other body.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from vllm_gateway.config import TimeoutConfig
 from vllm_gateway.connection import UpstreamConnection
 from vllm_gateway.dispatch import Lease
 from vllm_gateway.errors import (
+    GatewayStopping,
     UpstreamError,
     UpstreamTimeout,
     WorkerRefused,
@@ -126,10 +129,19 @@ class Relay:
         self.timeouts = timeouts
         self.forward_authorization = forward_authorization
         self.worker_api_key = worker_api_key
+        # Set when shutdown cancels the relays still running: a cancel then means "the
+        # gateway is stopping" rather than "the client went away".
+        self.closing = False
 
     async def forward(self, request: web.Request, lease: Lease) -> web.StreamResponse:
         """Relay `lease.info` to `lease.worker`; return the (finished) client response."""
-        conn = await self.start(request, lease)
+        try:
+            conn = await self.start(request, lease)
+        except asyncio.CancelledError:
+            if not self.closing:
+                raise
+            lease.outcome = dispatch.SHUTDOWN
+            raise GatewayStopping("The gateway is shutting down; retry the request.") from None
         return await self.respond(request, lease, conn)
 
     async def start(self, request: web.Request, lease: Lease) -> UpstreamConnection:
@@ -217,13 +229,23 @@ class Relay:
             if transport is None:
                 raise ConnectionResetError("the client went away")
             conn.attach(transport, chunked=chunked)
-            await self._relay_body(request, conn, lease)
+            try:
+                await self._relay_body(request, conn, lease)
+            except asyncio.CancelledError:
+                if not self.closing:
+                    raise
+                lease.outcome = dispatch.SHUTDOWN
+                message = "The gateway is shutting down; the answer was cut short."
+                await self._end_early(request, response, conn, message, chunked)
+                return response
             if conn.error is None and _ended_well(lease, conn):
                 await response.write_eof()
             else:
                 await self._cut_short(request, response, conn, lease, chunked)
             return response
         finally:
+            lease.first_byte = conn.first_body_at  # for telemetry and the access log
+            lease.bytes = conn.body_bytes
             # Not read to the end (client gone, timeout, error): the connection is closed
             # rather than returned to the pool, so the worker sees the abort.
             self.pool.release(conn)
@@ -272,6 +294,16 @@ class Relay:
         else:
             lease.outcome = dispatch.BROKEN
             message = f"Worker {url} failed mid-answer: it {what}."
+        await self._end_early(request, response, conn, message, chunked)
+
+    @staticmethod
+    async def _end_early(
+        request: web.Request,
+        response: web.StreamResponse,
+        conn: UpstreamConnection,
+        message: str,
+        chunked: bool,
+    ) -> None:
         log.warning("relay cut short", reason=message)
         if chunked and conn.content_type.startswith(b"text/event-stream"):
             # Start a new event even if the worker stopped in the middle of one.

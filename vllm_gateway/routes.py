@@ -12,10 +12,12 @@ worker, relay. Errors become OpenAI error bodies in `error_middleware`, the one 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -68,6 +70,11 @@ def json_response(doc: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
 
 
+# Called with (request, error) for every error the gateway answers itself, after the fact
+# (telemetry counts them, the access log writes them). Only the error path pays for it.
+ERROR_HOOKS = web.AppKey("error_hooks", list[Callable[[web.Request, GatewayError], None]])
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -76,19 +83,20 @@ async def error_middleware(
     try:
         return await handler(request)
     except GatewayError as e:
-        return error_response(e, request.get(REQUEST_ID))
+        err = e
     except web.HTTPRequestEntityTooLarge as e:
-        return error_response(BodyTooLarge(f"The request body is too large: {e.text}"))
+        err = BodyTooLarge(f"The request body is too large: {e.text}")
     except web.HTTPException as e:
         if e.status < 400:
             raise
         if e.status in (404, 405):
-            return error_response(
-                RouteNotFound(f"{request.method} {request.path} is not served here.", e.status)
-            )
-        err = GatewayError(e.reason)
-        err.status = e.status
-        return error_response(err)
+            err = RouteNotFound(f"{request.method} {request.path} is not served here.", e.status)
+        else:
+            err = GatewayError(e.reason)
+            err.status = e.status
+    for hook in request.app.get(ERROR_HOOKS, ()):
+        hook(request, err)
+    return error_response(err, request.get(REQUEST_ID))
 
 
 class Routes:
@@ -109,6 +117,8 @@ class Routes:
         self.aliases = aliases or AliasTable(registry)
         self.started = time.time()
         self.request_ids = RequestIds()
+        # The relay requests being handled now (their tasks): shutdown waits for them.
+        self.active: set[asyncio.Task[Any]] = set()
 
     def add_to(self, app: web.Application) -> None:
         r = app.router
@@ -127,12 +137,15 @@ class Routes:
         """Relay one OpenAI request to a worker serving its model."""
         request_id = request.headers.get("X-Request-Id") or self.request_ids.new()
         request[REQUEST_ID] = request_id
-        body = await self._read_body(request)
-        info = parse_request(request.path_qs, body, request_id, request.headers)
-        bind_request(request_id=request_id, model=info.model)
-        info = self.aliases.resolve(info)
-        tried: list[Worker] = []
+        task = asyncio.current_task()
+        assert task is not None  # aiohttp runs every handler in a task
+        self.active.add(task)
         try:
+            body = await self._read_body(request)
+            info = parse_request(request.path_qs, body, request_id, request.headers)
+            bind_request(request_id=request_id, model=info.model)
+            info = self.aliases.resolve(info)
+            tried: list[Worker] = []
             while True:
                 async with self.dispatcher.lease(info, exclude=tried) as lease:
                     bind_request(worker=lease.worker.url)
@@ -147,6 +160,7 @@ class Routes:
                         failure = e
                 await self.dispatcher.before_retry(lease, failure)
         finally:
+            self.active.discard(task)
             clear_request()
 
     async def _read_body(self, request: web.Request) -> bytes:

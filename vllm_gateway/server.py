@@ -33,7 +33,16 @@ class RunningServer:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"http://{host}:{self.port}"
 
+    async def stop_listening(self) -> None:
+        """Close the listening sockets and idle keep-alive connections; requests in
+        progress go on, and their connections close when they end."""
+        for site in list(self.runner.sites):
+            await site.stop()
+        if self.runner.server is not None:
+            self.runner.server.pre_shutdown()
+
     async def stop(self) -> None:
+        """Stop listening, wait up to `shutdown_timeout` for handlers, run the cleanups."""
         await self.runner.cleanup()
 
 

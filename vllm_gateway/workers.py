@@ -232,6 +232,19 @@ class WorkerRegistry:
         log.info("worker models", worker=worker.url, models=sorted(new))
         return True
 
+    def reconfigure(self, worker: Worker, *, models: Iterable[str], weight: float) -> bool:
+        """Apply new config-file settings to a worker (pinned models, weight) on reload."""
+        pinned = frozenset(models)
+        if pinned == worker.pinned_models and weight == worker.weight:
+            return False
+        worker.pinned_models = pinned
+        if pinned:
+            worker.models = pinned  # unpinned: the next probe reports what it serves
+        worker.weight = weight
+        self._changed()
+        log.info("worker configured", worker=worker.url, models=sorted(pinned), weight=weight)
+        return True
+
     def set_stats(
         self, worker: Worker, stats: EngineStats | None, *, sent: int = 0, finished: int = 0
     ) -> None:

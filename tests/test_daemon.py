@@ -1,0 +1,285 @@
+"""The `serve` daemon as a real process: sd_notify, SIGHUP reloads, graceful SIGTERM.
+
+Each test runs `python -m vllm_gateway serve --config FILE` with a fake `$NOTIFY_SOCKET`
+(an abstract Unix datagram socket this test listens on) in front of in-process fake workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.test_cli import free_port
+from vllm_gateway.fake_worker import FakeWorker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class GatewayProcess:
+    """One gateway process, its config file, its notify socket and its JSON log."""
+
+    def __init__(self, tmp_path: Path, workers: list[FakeWorker], **settings: object) -> None:
+        self.config_path = tmp_path / "gateway.toml"
+        self.log_path = tmp_path / "gateway.log"
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.settings = {"policy": "least_inflight", "shutdown_timeout": 30.0, **settings}
+        self.write_config(workers)
+        name = f"vllm-gateway-test-{os.getpid()}-{time.monotonic_ns()}"
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind("\0" + name)
+        self.notify.setblocking(False)
+        self.notify_name = "@" + name
+        self.proc: asyncio.subprocess.Process | None = None
+
+    def write_config(self, workers: list[FakeWorker], raw: str | None = None) -> None:
+        s = self.settings
+        text = (
+            raw
+            if raw is not None
+            else (
+                f'port = {self.port}\npolicy = "{s["policy"]}"\n'
+                '[log]\nformat = "json"\nlevel = "info"\n'
+                "[probe]\ninterval = 0.2\ntimeout = 1.0\nstartup_wait = 5.0\n"
+                f"[lifecycle]\nshutdown_timeout = {s['shutdown_timeout']}\n"
+                + "".join(f'[[workers]]\nurl = "{w.url}"\n' for w in workers)
+            )
+        )
+        self.config_path.write_text(text)
+
+    async def start(self, **env: str) -> dict[str, str]:
+        """Start the process; return its first notification (READY)."""
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "vllm_gateway",
+            "serve",
+            "--config",
+            str(self.config_path),
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=self._log,
+            env={**os.environ, "NOTIFY_SOCKET": self.notify_name, **env},
+        )
+        return await self.notification()
+
+    async def notification(self, timeout: float = 20.0, skip_watchdog: bool = True) -> dict:
+        """The next message on the notify socket, as a dict of its KEY=VALUE lines."""
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(timeout):
+            while True:
+                data = await loop.sock_recv(self.notify, 4096)
+                msg = dict(line.split("=", 1) for line in data.decode().splitlines())
+                if not (skip_watchdog and msg == {"WATCHDOG": "1"}):
+                    return msg
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    async def wait(self, timeout: float = 15.0) -> int:
+        assert self.proc is not None
+        async with asyncio.timeout(timeout):
+            return await self.proc.wait()
+
+    def logs(self) -> list[dict]:
+        return [json.loads(line) for line in self.log_path.read_text().splitlines() if line]
+
+    async def close(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+        self.notify.close()
+        if hasattr(self, "_log"):
+            self._log.close()
+
+
+@pytest.fixture
+async def gateway_process(tmp_path):
+    made: list[GatewayProcess] = []
+
+    def make(workers: list[FakeWorker], **settings: object) -> GatewayProcess:
+        gp = GatewayProcess(tmp_path, workers, **settings)
+        made.append(gp)
+        return gp
+
+    yield make
+    for gp in made:
+        await gp.close()
+
+
+async def open_streams(http, url: str, n: int, max_tokens: int) -> list[aiohttp.ClientResponse]:
+    """Start `n` streamed completions and return once each has sent its first event."""
+    body = {"model": "m", "prompt": "x", "max_tokens": max_tokens, "stream": True}
+    responses = await asyncio.gather(
+        *(http.post(url + "/v1/completions", json=body) for _ in range(n))
+    )
+    firsts = await asyncio.gather(*(r.content.readline() for r in responses))
+    assert all(line.startswith(b"data: ") for line in firsts)
+    return responses
+
+
+async def finish(response: aiohttp.ClientResponse, first: bytes = b"") -> bytes:
+    body = first
+    async for chunk in response.content.iter_any():
+        body += chunk
+    return body
+
+
+def intact(body: bytes, tokens: int) -> bool:
+    """All tokens after the first event, then [DONE]: nothing lost, nothing cut."""
+    texts = [
+        json.loads(line[6:])["choices"][0]["text"]
+        for line in body.split(b"\n")
+        if line.startswith(b"data: {")
+    ]
+    expected = [f" w{i}" for i in range(1, tokens)]  # event 0 was read by open_streams
+    return texts == expected and body.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_notify_ready_reloading_stopping_in_order(fake_worker, gateway_process, http):
+    w = await fake_worker(models="m")
+    gp = gateway_process([w])
+    ready = await gp.start(WATCHDOG_USEC="400000")
+    assert ready["READY"] == "1" and "1 of 1 workers ready" in ready["STATUS"]
+    # READY means listening and probed: a request works at once.
+    async with http.post(gp.url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+        assert r.status == 200
+    gp.signal(signal.SIGHUP)
+    reloading = await gp.notification()
+    assert reloading["RELOADING"] == "1" and int(reloading["MONOTONIC_USEC"]) > 0
+    assert (await gp.notification())["READY"] == "1"
+    gp.signal(signal.SIGTERM)
+    assert (await gp.notification())["STOPPING"] == "1"
+    assert await gp.wait() == 0
+    # The watchdog was pinged (every 0.2 s) while the loop ran.
+    events = [e["event"] for e in gp.logs()]
+    assert events.index("gateway listening") < events.index("reloading configuration")
+    assert events.index("configuration reloaded") < events.index("gateway stopped")
+
+
+async def test_watchdog_pings_reach_systemd(fake_worker, gateway_process):
+    gp = gateway_process([await fake_worker(models="m")])
+    await gp.start(WATCHDOG_USEC="200000")
+    pings = 0
+    async with asyncio.timeout(10):
+        while pings < 3:
+            msg = await gp.notification(skip_watchdog=False)
+            pings += msg == {"WATCHDOG": "1"}
+    gp.signal(signal.SIGTERM)
+    assert await gp.wait() == 0
+
+
+async def test_sigterm_lets_50_active_streams_finish(fake_worker, gateway_process):
+    w = await fake_worker(models="m", ttft_ms=1, tpot_ms=25, max_num_seqs=64)
+    gp = gateway_process([w])
+    await gp.start()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        streams = await open_streams(http, gp.url, 50, max_tokens=60)  # about 1.5 s each
+        gp.signal(signal.SIGTERM)
+        assert (await gp.notification())["STOPPING"] == "1"
+        # No new connections from now on, while the 50 streams go on.
+        async with asyncio.timeout(5):
+            while True:
+                try:
+                    _, writer = await asyncio.open_connection("127.0.0.1", gp.port)
+                    writer.close()
+                    await asyncio.sleep(0.02)
+                except ConnectionRefusedError:
+                    break
+        still_running = w.stats.running
+        bodies = await asyncio.gather(*(finish(r) for r in streams))
+    assert still_running > 0, "the streams ended before the port closed; lengthen them"
+    assert all(intact(b, 60) for b in bodies), [b[-200:] for b in bodies if not intact(b, 60)]
+    assert await gp.wait() == 0
+    assert w.stats.aborted == 0 and w.stats.completed >= 50
+    stopping = next(e for e in gp.logs() if e["event"] == "gateway stopping")
+    assert stopping["in_flight"] == 50
+
+
+async def test_streams_past_the_grace_end_cleanly(fake_worker, gateway_process):
+    w = await fake_worker(models="m", ttft_ms=1, tpot_ms=20)
+    gp = gateway_process([w], shutdown_timeout=0.5)
+    await gp.start()
+    async with aiohttp.ClientSession() as http:
+        (stream,) = await open_streams(http, gp.url, 1, max_tokens=5000)  # 100 s
+        t0 = time.monotonic()
+        gp.signal(signal.SIGTERM)
+        body = await asyncio.wait_for(finish(stream), 10)
+    assert await gp.wait() == 0
+    assert time.monotonic() - t0 < 8
+    # An SSE error event tells the client the answer was cut; the worker saw the abort.
+    last = [line for line in body.split(b"\n") if line.startswith(b"data: ")][-1]
+    assert "shutting down" in json.loads(last[6:])["error"]["message"]
+    async with asyncio.timeout(5):
+        while w.stats.aborted != 1:
+            await asyncio.sleep(0.02)
+    assert any(
+        e["event"] == "shutdown grace over; ending the requests still running" for e in gp.logs()
+    )
+
+
+async def test_sighup_adds_a_worker_while_older_streams_finish(fake_worker, gateway_process):
+    a = await fake_worker(models="m", ttft_ms=1, tpot_ms=25)
+    b = await fake_worker(models="m", ttft_ms=1, tpot_ms=1)
+    gp = gateway_process([a])
+    await gp.start()
+    async with aiohttp.ClientSession() as http:
+        streams = await open_streams(http, gp.url, 10, max_tokens=60)
+        gp.write_config([a, b])
+        gp.signal(signal.SIGHUP)
+        assert "RELOADING" in await gp.notification()
+        ready = await gp.notification()
+        assert ready["READY"] == "1" and "2 of 2 workers ready" in ready["STATUS"]
+        for _ in range(10):
+            body = {"model": "m", "prompt": "x", "max_tokens": 2}
+            async with http.post(gp.url + "/v1/completions", json=body) as r:
+                assert r.status == 200
+        bodies = await asyncio.gather(*(finish(r) for r in streams))
+    # least_inflight: `a` holds 10 streams, so the new worker takes the new requests.
+    assert sum(1 for r in b.stats.requests if r.path == "/v1/completions") == 10
+    assert all(intact(body, 60) for body in bodies)
+    reloaded = next(e for e in gp.logs() if e["event"] == "configuration reloaded")
+    assert f"worker added: {b.url}" in reloaded["changes"]
+    gp.signal(signal.SIGTERM)
+    assert await gp.wait() == 0
+
+
+async def test_sighup_with_a_broken_config_keeps_the_old_one(fake_worker, gateway_process, http):
+    a = await fake_worker(models="m")
+    gp = gateway_process([a])
+    await gp.start()
+    bad_configs = [
+        ('port = 8000\npolicy = "nope"\n', "unknown policy 'nope'"),
+        ("port = [oops\n", "not valid TOML"),
+        ('[timeouts]\nidle = -1\n[[workers]]\nurl = "ftp://x"\n', "must start with http"),
+    ]
+    for raw, reason in bad_configs:
+        gp.write_config([], raw=raw)
+        gp.signal(signal.SIGHUP)
+        assert "RELOADING" in await gp.notification()
+        ready = await gp.notification()
+        assert ready["READY"] == "1" and ready["STATUS"].startswith("reload refused")
+        refused = [e for e in gp.logs() if e["event"].startswith("configuration reload refused")]
+        assert reason in " ".join(refused[-1]["problems"]), refused[-1]
+        # Still serving with the old configuration and its worker.
+        async with http.post(gp.url + "/v1/completions", json={"model": "m", "prompt": "x"}) as r:
+            assert r.status == 200
+    async with http.get(gp.url + "/metrics") as r:
+        families = {f.name: f for f in text_string_to_metric_families(await r.text())}
+    reloads = {s.labels["result"]: s.value for s in families["vllm_gateway_config_reloads"].samples}
+    assert reloads == {"success": 0, "failure": 3}
+    assert families["vllm_gateway_config_last_reload_successful"].samples[0].value == 0
+    gp.signal(signal.SIGTERM)
+    assert await gp.wait() == 0

@@ -1,0 +1,218 @@
+"""The gateway's /metrics: valid exposition format, and counters that match the traffic sent."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import wait_until
+from vllm_gateway.app import GATEWAY, REGISTRY
+from vllm_gateway.telemetry import TTFB_BUCKETS, Histogram
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def scrape(http, gw) -> dict[str, list]:
+    """GET /metrics, parsed by prometheus-client: family name -> samples."""
+    async with http.get(gw.url + "/metrics") as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = await r.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    for f in families.values():
+        assert f.documentation, f"{f.name} has no HELP"
+        if f.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in f.samples)
+    return {name: f.samples for name, f in families.items()}
+
+
+def total(samples, name: str, **labels) -> float:
+    return sum(
+        s.value
+        for s in samples
+        if s.name == name and all(s.labels.get(k) == str(v) for k, v in labels.items())
+    )
+
+
+async def test_counters_match_the_traffic_sent(fake_worker, gateway, client, http):
+    a = await fake_worker(models="alpha", tpot_ms=1, ttft_ms=1)
+    b = await fake_worker(models="beta", tpot_ms=1, ttft_ms=1)
+    gw = await gateway([a, b])
+    c = client(gw)
+    for _ in range(7):
+        await c.completions.create(model="alpha", prompt="x", max_tokens=3)
+    for _ in range(5):
+        stream = await c.completions.create(model="beta", prompt="x", max_tokens=4, stream=True)
+        async for _chunk in stream:
+            pass
+    for _ in range(3):
+        with pytest.raises(openai.NotFoundError):
+            await c.completions.create(model="nope", prompt="x")
+    # The worker's own error answer is relayed and counted with its status.
+    with pytest.raises(openai.InternalServerError):
+        await c.completions.create(
+            model="alpha", prompt="x", extra_headers={"X-Fake-Fault": "status=500"}
+        )
+
+    m = await scrape(http, gw)
+    # prometheus-client's parser strips `_total` from the family name.
+    req = m["vllm_gateway_requests"]
+    assert total(req, "vllm_gateway_requests_total", model="alpha", status=200, outcome="ok") == 7
+    assert total(req, "vllm_gateway_requests_total", model="alpha", worker=a.url) == 8
+    assert total(req, "vllm_gateway_requests_total", model="alpha", status=500) == 1
+    assert total(req, "vllm_gateway_requests_total", model="beta", worker=b.url) == 5
+    assert total(req, "vllm_gateway_requests_total") == 13
+    errors = m["vllm_gateway_errors"]
+    assert total(errors, "vllm_gateway_errors_total", status=404, code="model_not_found") == 3
+    assert total(m["vllm_gateway_retries"], "vllm_gateway_retries_total") == 0
+
+    for family in (
+        "vllm_gateway_request_duration_seconds",
+        "vllm_gateway_time_to_first_byte_seconds",
+    ):
+        samples = m[family]
+        assert total(samples, family + "_count", model="alpha") == 8
+        assert total(samples, family + "_count", model="beta") == 5
+        # Buckets are cumulative and end at +Inf == count.
+        buckets = [
+            s for s in samples if s.name == family + "_bucket" and s.labels["model"] == "beta"
+        ]
+        counts = [s.value for s in buckets]
+        assert counts == sorted(counts) and buckets[-1].labels["le"] == "+Inf"
+        assert counts[-1] == 5
+    # Each answer's duration is at least its time to first byte.
+    ttfb_sum = total(
+        m["vllm_gateway_time_to_first_byte_seconds"], "vllm_gateway_time_to_first_byte_seconds_sum"
+    )
+    dur_sum = total(
+        m["vllm_gateway_request_duration_seconds"], "vllm_gateway_request_duration_seconds_sum"
+    )
+    assert 0 < ttfb_sum <= dur_sum
+    body_bytes = total(
+        m["vllm_gateway_response_bytes"], "vllm_gateway_response_bytes_total", model="beta"
+    )
+    assert body_bytes > 5 * 4 * len(b"data: ")
+
+    state = m["vllm_gateway_worker_state"]
+    assert total(state, "vllm_gateway_worker_state", worker=a.url, state="ready") == 1
+    assert total(state, "vllm_gateway_worker_state", worker=a.url, state="unhealthy") == 0
+    models = m["vllm_gateway_worker_model"]
+    assert total(models, "vllm_gateway_worker_model", worker=b.url, model="beta") == 1
+    inflight = m["vllm_gateway_worker_inflight_requests"]
+    assert total(inflight, "vllm_gateway_worker_inflight_requests") == 0
+    assert m["vllm_gateway_build_info"][0].labels["version"]
+    assert m["process_resident_memory_bytes"][0].value > 0
+
+
+async def test_gauges_are_read_at_scrape_time(fake_worker, gateway, http):
+    # Two slots: of three streams, the worker runs two and queues one, and says so.
+    w = await fake_worker(models="m", tpot_ms=20, ttft_ms=1, max_num_seqs=2)
+    gw = await gateway([w])
+    worker = gw.app[REGISTRY].get(w.url)
+    body = {"model": "m", "prompt": "x", "max_tokens": 200, "stream": True}
+    responses = [await http.post(gw.url + "/v1/completions", json=body) for _ in range(3)]
+    try:
+        await wait_until(
+            lambda: (
+                worker.stats is not None and (worker.stats.running, worker.stats.waiting) == (2, 1)
+            ),
+            timeout=5,
+        )
+        m = await scrape(http, gw)
+
+        def gauge(name: str) -> float:
+            return total(m[name], name, worker=w.url)
+
+        assert gauge("vllm_gateway_worker_inflight_requests") == 3
+        assert gauge("vllm_gateway_worker_running_requests") == 2
+        assert gauge("vllm_gateway_worker_waiting_requests") == 1
+        assert 0 <= gauge("vllm_gateway_worker_kv_cache_usage_ratio") <= 1
+        assert 0 <= gauge("vllm_gateway_worker_stats_age_seconds") < 3
+        assert total(m["vllm_gateway_scrapes"], "vllm_gateway_scrapes_total") >= 1
+    finally:
+        for r in responses:
+            r.close()
+    # Streams the client left are counted as client_gone, not as the worker's failures.
+    await wait_until(lambda: worker.inflight == 0)
+    m = await scrape(http, gw)
+    assert (
+        total(m["vllm_gateway_requests"], "vllm_gateway_requests_total", outcome="client_gone") == 3
+    )
+
+
+async def test_retries_and_unreachable_attempts_are_counted(fake_worker, gateway, client, http):
+    a = await fake_worker(models="m")
+    b = await fake_worker(models="m")
+    gw = await gateway([a, b], policy="round_robin")
+    await a.pause()
+    c = client(gw)
+    for _ in range(4):
+        await c.completions.create(model="m", prompt="x", max_tokens=1)
+    m = await scrape(http, gw)
+    unreachable = total(
+        m["vllm_gateway_requests"],
+        "vllm_gateway_requests_total",
+        worker=a.url,
+        outcome="unreachable",
+        status=0,
+    )
+    assert unreachable >= 1
+    assert total(m["vllm_gateway_retries"], "vllm_gateway_retries_total") == unreachable
+    assert (
+        total(m["vllm_gateway_requests"], "vllm_gateway_requests_total", worker=b.url, outcome="ok")
+        == 4
+    )
+
+
+async def test_label_values_are_escaped(gateway, http):
+    gw = await gateway(workers=())
+    gw.app[REGISTRY].add("http://127.0.0.1:9", models=('we"ird\\model\nname',))
+    m = await scrape(http, gw)
+    assert m["vllm_gateway_worker_model"][0].labels["model"] == 'we"ird\\model\nname'
+
+
+def test_histogram_buckets_use_less_or_equal():
+    h = Histogram(TTFB_BUCKETS)
+    for v in (0.005, 0.0051, 0.0, 1000.0):
+        h.observe(v)
+    cumulative = dict(h.cumulative())
+    assert cumulative["0.005"] == 2  # 0.0 and exactly 0.005
+    assert cumulative["0.01"] == 3
+    assert cumulative["60"] == 3 and cumulative["+Inf"] == 4
+    assert h.count == 4 and h.sum == pytest.approx(1000.0101)
+
+
+async def test_stats_endpoint_and_status_page(fake_worker, gateway, client, http):
+    w = await fake_worker(models="m", tpot_ms=1, ttft_ms=1)
+    gw = await gateway([w])
+    for _ in range(3):
+        await client(gw).completions.create(model="m", prompt="x", max_tokens=2)
+    async with http.get(gw.url + "/stats") as r:
+        doc = await r.json()
+    assert doc["gateway"]["policy"] == gw.app[GATEWAY].config.policy
+    (worker,) = doc["workers"]
+    assert worker["url"] == w.url and worker["state"] == "ready" and worker["requests"] == 3
+    (model,) = doc["models"]
+    assert model["model"] == "m" and model["requests"] == 3 and model["ready"] == 1
+    assert model["duration"]["count"] == 3 and model["duration"]["buckets"]["+Inf"] == 3
+    for path in ("/", "/dashboard"):
+        async with http.get(gw.url + path) as r:
+            assert r.status == 200 and r.content_type == "text/html"
+            page = await r.text()
+        assert "<title>vllm-gateway</title>" in page and 'fetch("stats"' in page
+    # Self-contained: nothing is loaded from elsewhere.
+    for needle in ('src="http', "src='http", 'href="http', "@import", "url(", "<link"):
+        assert needle not in page
+    await asyncio.sleep(0)
+
+
+async def test_metrics_and_page_can_be_switched_off(gateway, http):
+    from vllm_gateway.config import TelemetryConfig
+
+    gw = await gateway(workers=(), telemetry=TelemetryConfig(metrics=False, status_page=False))
+    for path in ("/metrics", "/", "/dashboard"):
+        async with http.get(gw.url + path) as r:
+            assert r.status == 404

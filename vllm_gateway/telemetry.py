@@ -1,0 +1,293 @@
+"""The gateway's own Prometheus metrics: counted per finished lease, read from objects at scrape.
+
+Two halves, so the hot path pays almost nothing:
+
+- `RequestMetrics.observe` is a `Dispatcher.on_release` hook: per finished lease it bumps one
+  dict entry and two histograms (about a microsecond; scripts/bench_telemetry measures it).
+- `render` writes the text exposition format when /metrics is scraped, reading gauges (worker
+  state, in-flight, the vLLM running/waiting a scrape reported, ...) straight off the objects
+  that own them. Nothing is copied into a metrics registry ahead of time.
+
+Names follow Prometheus conventions: `vllm_gateway_` prefix, base units (`_seconds`,
+`_bytes`), `_total` on counters. docs/operations.md lists every series.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from bisect import bisect_left
+from collections.abc import Iterable, Iterator
+
+from vllm_gateway import __version__
+from vllm_gateway.dispatch import Dispatcher, Lease
+from vllm_gateway.errors import GatewayError
+from vllm_gateway.scrape import Scraper
+from vllm_gateway.workers import WorkerRegistry, WorkerState
+
+# Time to first byte: from dispatch to the first body byte relayed (prefill plus queueing).
+TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Whole request: generations run from milliseconds (embeddings) to minutes (long answers).
+DURATION_BUCKETS = (
+    *(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    *(20.0, 30.0, 60.0, 120.0, 300.0, 600.0),
+)
+
+
+class Histogram:
+    """Bucket counts (not cumulative; the last is +Inf), sum and count of observations."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        # bisect_left: the first bound >= value, which is Prometheus' `le` (less or equal).
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> Iterator[tuple[str, int]]:
+        """(le, cumulative count) pairs as the exposition format writes them."""
+        total = 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            yield ("+Inf" if bound == float("inf") else _number(bound)), total
+
+
+class RequestMetrics:
+    """Counters of finished requests and of errors the gateway answered itself."""
+
+    def __init__(self) -> None:
+        # (model, worker, status, outcome) -> finished leases (one per attempt on a worker)
+        self.requests: dict[tuple[str, str, int, str], int] = {}
+        self.ttfb: dict[tuple[str, str], Histogram] = {}  # (model, worker)
+        self.duration: dict[tuple[str, str], Histogram] = {}  # (model, worker)
+        self.response_bytes: dict[tuple[str, str], int] = {}  # (model, worker)
+        self.errors: dict[tuple[int, str], int] = {}  # (status, code) answered by the gateway
+
+    def observe(self, lease: Lease) -> None:
+        """`Dispatcher.on_release` hook: count one finished lease. Hot path: keep it lean."""
+        now = time.monotonic()
+        model = lease.info.model
+        url = lease.worker.url
+        key = (model, url, lease.status, lease.outcome)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        if not lease.status:
+            return  # the worker never answered: no latency to speak of
+        pair = (model, url)
+        duration = self.duration.get(pair)
+        if duration is None:
+            duration = self.duration[pair] = Histogram(DURATION_BUCKETS)
+            self.ttfb[pair] = Histogram(TTFB_BUCKETS)
+            self.response_bytes[pair] = 0
+        duration.observe(now - lease.started)
+        if lease.first_byte:
+            self.ttfb[pair].observe(lease.first_byte - lease.started)
+            self.response_bytes[pair] += lease.bytes
+
+    def observe_error(self, request: object, error: GatewayError) -> None:
+        """`routes.ERROR_HOOKS` hook: count an error the gateway answered itself."""
+        key = (error.status, error.code or error.type)
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+
+class ReloadCounters:
+    """What the daemon did with configuration reloads (SIGHUP); read at scrape time."""
+
+    def __init__(self) -> None:
+        self.succeeded = 0
+        self.failed = 0
+        self.last_ok = True  # the last reload applied (or none was tried yet)
+        self.last_success = time.time()  # the start counts as loading the config
+
+
+# --- the exposition format ------------------------------------------------------------------
+
+
+def _number(value: float) -> str:
+    if value == float("inf"):
+        return "+Inf"
+    if isinstance(value, int) or value.is_integer():
+        return str(int(value))
+    return repr(value)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(pairs: Iterable[tuple[str, object]]) -> str:
+    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in pairs)
+    return "{" + inner + "}" if inner else ""
+
+
+class _Writer:
+    """Collects lines of the text exposition format (version 0.0.4)."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def family(self, name: str, type_: str, help_: str) -> None:
+        self.lines.append(f"# HELP {name} {help_}")
+        self.lines.append(f"# TYPE {name} {type_}")
+
+    def sample(self, name: str, value: float, labels: Iterable[tuple[str, object]] = ()) -> None:
+        self.lines.append(f"{name}{_labels(labels)} {_number(value)}")
+
+    def histograms(self, name: str, help_: str, series: dict[tuple[str, str], Histogram]) -> None:
+        self.family(name, "histogram", help_)
+        for (model, url), h in sorted(series.items()):
+            base = (("model", model), ("worker", url))
+            for le, count in h.cumulative():
+                self.sample(name + "_bucket", count, (*base, ("le", le)))
+            self.sample(name + "_sum", h.sum, base)
+            self.sample(name + "_count", h.count, base)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def render(
+    metrics: RequestMetrics,
+    registry: WorkerRegistry,
+    dispatcher: Dispatcher,
+    scraper: Scraper,
+    reloads: ReloadCounters,
+    started: float,
+) -> str:
+    """The whole /metrics document. `started` is the process start, in Unix seconds."""
+    w = _Writer()
+    p = "vllm_gateway_"
+
+    w.family(p + "build_info", "gauge", "Always 1; the version label says which gateway runs.")
+    w.sample(p + "build_info", 1, (("version", __version__),))
+    w.family(p + "start_time_seconds", "gauge", "When this gateway process started (Unix time).")
+    w.sample(p + "start_time_seconds", started)
+
+    # --- requests (from finished leases) ---
+    w.family(
+        p + "requests_total",
+        "counter",
+        "Requests relayed to a worker, one per attempt, by model, worker, the status the "
+        "worker answered (0: none) and outcome (ok, client_gone, unreachable, timeout, "
+        "broken, shutdown).",
+    )
+    for (model, url, status, outcome), n in sorted(metrics.requests.items()):
+        labels = (("model", model), ("worker", url), ("status", status), ("outcome", outcome))
+        w.sample(p + "requests_total", n, labels)
+    w.histograms(
+        p + "time_to_first_byte_seconds",
+        "From dispatch to the first response body byte relayed to the client.",
+        metrics.ttfb,
+    )
+    w.histograms(
+        p + "request_duration_seconds",
+        "From dispatch to the end of the relayed answer (requests a worker answered).",
+        metrics.duration,
+    )
+    w.family(p + "response_bytes_total", "counter", "Response body bytes relayed to clients.")
+    for (model, url), n in sorted(metrics.response_bytes.items()):
+        w.sample(p + "response_bytes_total", n, (("model", model), ("worker", url)))
+    w.family(
+        p + "errors_total",
+        "counter",
+        "Errors the gateway answered itself (not relayed from a worker), by status and code.",
+    )
+    for (status, code), n in sorted(metrics.errors.items()):
+        w.sample(p + "errors_total", n, (("status", status), ("code", code)))
+    w.family(
+        p + "retries_total",
+        "counter",
+        "Requests tried again on another worker because a worker could not be reached.",
+    )
+    w.sample(p + "retries_total", dispatcher.retries)
+
+    # --- workers (read from the registry now) ---
+    workers = sorted(registry, key=lambda x: x.url)
+    w.family(p + "worker_state", "gauge", "1 for the state each worker is in, 0 for the others.")
+    for worker in workers:
+        for state in WorkerState:
+            if state is not WorkerState.REMOVED:
+                value = 1 if worker.state is state else 0
+                w.sample(p + "worker_state", value, (("worker", worker.url), ("state", state)))
+    w.family(p + "worker_info", "gauge", "Always 1; labels say how each worker became known.")
+    for worker in workers:
+        w.sample(p + "worker_info", 1, (("worker", worker.url), ("source", worker.source)))
+    w.family(p + "worker_model", "gauge", "1 for each model a worker serves.")
+    for worker in workers:
+        for model in sorted(worker.models):
+            w.sample(p + "worker_model", 1, (("worker", worker.url), ("model", model)))
+    w.family(
+        p + "worker_inflight_requests",
+        "gauge",
+        "Requests the gateway has relayed to each worker and not yet seen finish.",
+    )
+    for worker in workers:
+        w.sample(p + "worker_inflight_requests", worker.inflight, (("worker", worker.url),))
+    w.family(p + "worker_weight", "gauge", "Each worker's relative share for weighted policies.")
+    for worker in workers:
+        w.sample(p + "worker_weight", worker.weight, (("worker", worker.url),))
+    scraped = [x for x in workers if x.stats is not None]
+    for name, attr, help_ in (
+        ("worker_running_requests", "running", "vllm:num_requests_running, last scrape."),
+        ("worker_waiting_requests", "waiting", "vllm:num_requests_waiting, last scrape."),
+        ("worker_kv_cache_usage_ratio", "kv_cache_usage", "vllm KV cache usage 0..1."),
+    ):
+        w.family(p + name, "gauge", help_)
+        for worker in scraped:
+            value = getattr(worker.stats, attr)
+            if value is not None:
+                w.sample(p + name, value, (("worker", worker.url),))
+    now = time.monotonic()
+    w.family(p + "scrapes_total", "counter", "GETs of workers' /metrics (all workers).")
+    w.sample(p + "scrapes_total", scraper.scrapes)
+    w.family(p + "scrape_failures_total", "counter", "Scrapes that failed or read no queue.")
+    w.sample(p + "scrape_failures_total", scraper.failures)
+    w.family(p + "worker_stats_age_seconds", "gauge", "Age of each worker's last scrape.")
+    for worker in scraped:
+        age = max(0.0, now - worker.stats.at)  # type: ignore[union-attr]
+        w.sample(p + "worker_stats_age_seconds", round(age, 3), (("worker", worker.url),))
+
+    # --- configuration reloads ---
+    w.family(p + "config_reloads_total", "counter", "Configuration reloads (SIGHUP), by result.")
+    w.sample(p + "config_reloads_total", reloads.succeeded, (("result", "success"),))
+    w.sample(p + "config_reloads_total", reloads.failed, (("result", "failure"),))
+    w.family(
+        p + "config_last_reload_successful",
+        "gauge",
+        "1 when the last reload applied, 0 when it was refused (the old config still runs).",
+    )
+    w.sample(p + "config_last_reload_successful", 1 if reloads.last_ok else 0)
+    w.family(
+        p + "config_last_reload_success_timestamp_seconds",
+        "gauge",
+        "When the running configuration was loaded (Unix time).",
+    )
+    w.sample(p + "config_last_reload_success_timestamp_seconds", reloads.last_success)
+
+    _process_metrics(w)
+    return w.text()
+
+
+def _process_metrics(w: _Writer) -> None:
+    """The standard process_* series (as prometheus-client names them), from /proc."""
+    times = os.times()
+    w.family("process_cpu_seconds_total", "counter", "User and system CPU time of this process.")
+    w.sample("process_cpu_seconds_total", round(times.user + times.system, 3))
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            rss_pages = int(f.read().split()[1])
+        w.family("process_resident_memory_bytes", "gauge", "Resident memory of this process.")
+        w.sample("process_resident_memory_bytes", rss_pages * os.sysconf("SC_PAGE_SIZE"))
+        w.family("process_open_fds", "gauge", "Open file descriptors (sockets included).")
+        w.sample("process_open_fds", len(os.listdir("/proc/self/fd")))
+    except (OSError, ValueError, IndexError):  # not Linux: leave them out
+        pass
