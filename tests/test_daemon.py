@@ -196,7 +196,7 @@ async def test_sigterm_lets_50_active_streams_finish(fake_worker, gateway_proces
                     _, writer = await asyncio.open_connection("127.0.0.1", gp.port)
                     writer.close()
                     await asyncio.sleep(0.02)
-                except ConnectionRefusedError:
+                except (ConnectionRefusedError, ConnectionResetError):
                     break
         still_running = w.stats.running
         bodies = await asyncio.gather(*(finish(r) for r in streams))
@@ -283,3 +283,42 @@ async def test_sighup_with_a_broken_config_keeps_the_old_one(fake_worker, gatewa
     assert families["vllm_gateway_config_last_reload_successful"].samples[0].value == 0
     gp.signal(signal.SIGTERM)
     assert await gp.wait() == 0
+
+
+async def test_processes_reload_and_notify_as_one(fake_worker, gateway_process):
+    """`--processes 2`: the supervisor speaks for both, and passes SIGHUP to each."""
+    a = await fake_worker(models="m")
+    b = await fake_worker(models="m")
+    gp = gateway_process([a])
+    gp.config_path.write_text("processes = 2\n" + gp.config_path.read_text())
+    ready = await gp.start(WATCHDOG_USEC="1000000")
+    assert ready == {"READY": "1", "STATUS": "2 processes ready"}
+
+    async def served_by_b(n: int) -> int:
+        before = sum(1 for r in b.stats.requests if r.path == "/v1/completions")
+        # A new connection each time, so the kernel spreads them over both processes.
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector) as http:
+            for _ in range(n):
+                body = {"model": "m", "prompt": "x", "max_tokens": 1}
+                async with http.post(gp.url + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+        return sum(1 for r in b.stats.requests if r.path == "/v1/completions") - before
+
+    assert await served_by_b(6) == 0
+    gp.write_config([b])  # a leaves, b comes
+    gp.signal(signal.SIGHUP)
+    assert "RELOADING" in await gp.notification()
+    assert await gp.notification() == {"READY": "1", "STATUS": "2 processes reloaded"}
+    assert await served_by_b(20) == 20  # whichever process answered, it reloaded
+    gp.write_config([], raw='policy = "nope"\n')
+    gp.signal(signal.SIGHUP)
+    assert "RELOADING" in await gp.notification()
+    refused = await gp.notification()
+    assert refused["READY"] == "1" and refused["STATUS"].startswith("reload refused")
+    assert await served_by_b(4) == 4
+    gp.signal(signal.SIGTERM)
+    assert (await gp.notification())["STOPPING"] == "1"
+    assert await gp.wait() == 0
+    stopped = [e for e in gp.logs() if e["event"] == "gateway stopped"]
+    assert sorted(e["process"] for e in stopped) == [0, 1]
