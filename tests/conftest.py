@@ -59,7 +59,9 @@ async def gateway() -> AsyncIterator[Callable[..., Awaitable[RunningServer]]]:
         specs = tuple(WorkerSpec(url=w if isinstance(w, str) else w.url) for w in workers)
         kwargs.setdefault("probe", FAST_PROBES)
         config = GatewayConfig(host="127.0.0.1", port=0, workers=specs, **kwargs)
-        server = await start_server(create_app(config), "127.0.0.1", 0, shutdown_timeout=1.0)
+        server = await start_server(
+            create_app(config), "127.0.0.1", 0, shutdown_timeout=1.0, client=config.client
+        )
         started.append(server)
         return server
 

@@ -186,7 +186,14 @@ def create_app(
     )
     metrics = RequestMetrics()
     reloads = ReloadCounters()
-    routes = Routes(registry, dispatcher, relay, config.max_body_bytes, aliases)
+    routes = Routes(
+        registry,
+        dispatcher,
+        relay,
+        config.max_body_bytes,
+        aliases,
+        body_timeout=config.client.body_timeout,
+    )
     status = StatusViews(config, metrics, registry, dispatcher, scraper, reloads, time.time())
 
     siblings = None

@@ -82,13 +82,41 @@ class TimeoutConfig:
     )
     idle: float = setting(
         300.0,
-        "Longest silence between two chunks of a response body.",
+        "Longest one chunk of a response body may take: to come from the worker, and to go "
+        "out to the client (a client that stops reading is let go after this long).",
         unit="seconds",
         minimum=0.0,
     )
     total: float = setting(
         0.0, "Whole request, from dispatch to the last byte.", unit="seconds", minimum=0.0
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    """Limits on what one client connection may take and send (slow or oversized clients)."""
+
+    header_timeout: float = setting(
+        60.0,
+        "Longest a client may take to send a request's line and headers, counted from the "
+        "connection's start or its previous answer; the connection is then closed. An idle "
+        "keep-alive connection is closed after this long too.",
+        unit="seconds",
+        minimum=0.1,
+    )
+    body_timeout: float = setting(
+        60.0,
+        "Longest a client may take to send a request body; a slower one gets 408.",
+        unit="seconds",
+        minimum=0.1,
+    )
+    max_header_bytes: int = setting(
+        8190,
+        "Longest request line or header line; a longer one gets 431.",
+        unit="bytes",
+        minimum=1024,
+    )
+    max_headers: int = setting(128, "Most header lines in one request; more get 431.", minimum=16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +367,7 @@ class GatewayConfig:
     log: LogConfig = field(default_factory=LogConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)

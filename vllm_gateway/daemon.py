@@ -114,6 +114,7 @@ class Daemon:
             reuse_port=self.process_count > 1,
             unix_path=unix_path,
             shutdown_timeout=CLOSE_REST_SECONDS,
+            client=config.client,
         )
         log.info(
             "gateway listening",

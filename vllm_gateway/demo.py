@@ -57,7 +57,7 @@ def run_demo(host: str, port: int) -> None:
             log=LogConfig(format="console", level="warning"),
         )
         try:
-            server = await start_server(create_app(config), host, port)
+            server = await start_server(create_app(config), host, port, client=config.client)
         except OSError as e:
             for w in workers:
                 await w.stop()

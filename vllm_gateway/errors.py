@@ -5,7 +5,9 @@
     └── GatewayError                anything the gateway itself answers with an error
         ├── BadRequest          400 invalid_request_error
         │   ├── BodyTooLarge    413
-        │   └── RequestTimeout  408 (the client sent its body too slowly)
+        │   ├── RequestTimeout  408 (the client sent its body too slowly)
+        │   ├── ExpectationFailed 417 (an `Expect` other than 100-continue)
+        │   └── MalformedRequest 400/431 (not valid HTTP; answered by client_protocol.py)
         ├── Unauthorized        401
         ├── Forbidden           403
         ├── ModelNotFound       404 model_not_found
@@ -71,6 +73,15 @@ class BodyTooLarge(BadRequest):
 class RequestTimeout(BadRequest):
     status = 408
     code = "request_timeout"
+
+
+class ExpectationFailed(BadRequest):
+    status = 417
+    code = "expectation_failed"
+
+
+class MalformedRequest(BadRequest):
+    code = "malformed_request"
 
 
 class Unauthorized(GatewayError):

@@ -67,7 +67,9 @@ HOP_BY_HOP = frozenset(
     )
 )
 _HOP_BY_HOP_B = frozenset(h.encode() for h in HOP_BY_HOP)
-_NOT_FORWARDED = _HOP_BY_HOP_B | {b"x-request-id"}
+# Request headers describing what the gateway replaced: the request id (ours goes out) and
+# the body's coding (aiohttp's server decodes a gzip/deflate body; it goes out decoded).
+_NOT_FORWARDED = _HOP_BY_HOP_B | {b"x-request-id", b"content-encoding"}
 _NOT_FORWARDED_NO_AUTH = _NOT_FORWARDED | {b"authorization"}
 
 
@@ -257,8 +259,17 @@ class Relay:
             remaining = lease.started + t.total - time.monotonic()
             total_at = asyncio.get_running_loop().time() + remaining
         while not await conn.wait_body(t.idle, total_at):
-            # The client reads slower than the worker writes: wait until it drained.
-            await request.writer.drain()
+            # The client reads slower than the worker writes: wait until it drained, within
+            # the idle limit. A client that stops reading is let go (abort: a close would
+            # wait to flush to a reader that is gone), and the worker's request aborted.
+            limit = _within(t.idle, t.total, lease.started)
+            try:
+                async with asyncio.timeout(limit):
+                    await request.writer.drain()
+            except TimeoutError:
+                if request.transport is not None:
+                    request.transport.abort()
+                raise ConnectionResetError(f"The client read nothing for {limit:g} s.") from None
             if request.transport is None or request.transport.is_closing():
                 raise ConnectionResetError("the client went away")
             conn.resume()

@@ -16,7 +16,8 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any
 
 import orjson
@@ -25,8 +26,11 @@ from aiohttp import web
 from vllm_gateway.aliases import AliasTable
 from vllm_gateway.dispatch import Dispatcher, outcome_of
 from vllm_gateway.errors import (
+    BadRequest,
     BodyTooLarge,
+    ExpectationFailed,
     GatewayError,
+    RequestTimeout,
     RouteNotFound,
     UpstreamError,
     error_response,
@@ -66,6 +70,26 @@ class RequestIds:
         return f"{self._prefix}{next(self._counter):x}"
 
 
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` as aiohttp answers it; any other expectation gets 417 in the
+    OpenAI error shape (aiohttp's own answer is plain text, before any middleware)."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() == "100-continue":
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+    return error_response(ExpectationFailed(f"Unknown Expect: {expect[:100]}"))
+
+
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The client's X-Request-Id when it is a sane token (it is echoed back, forwarded and
+    logged): at most 128 printable ASCII characters, no spaces. Otherwise None."""
+    given = headers.get("X-Request-Id")
+    if given and len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given:
+        return given
+    return None
+
+
 def json_response(doc: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
 
@@ -96,7 +120,10 @@ async def error_middleware(
             err.status = e.status
     for hook in request.app.get(ERROR_HOOKS, ()):
         hook(request, err)
-    return error_response(err, request.get(REQUEST_ID))
+    response = error_response(err, request.get(REQUEST_ID))
+    if isinstance(err, RequestTimeout):
+        response.force_close()  # the rest of that body may still be on its way
+    return response
 
 
 class Routes:
@@ -109,12 +136,14 @@ class Routes:
         relay: Relay,
         max_body_bytes: int,
         aliases: AliasTable | None = None,
+        body_timeout: float = 60.0,
     ) -> None:
         self.registry = registry
         self.dispatcher = dispatcher
         self.relay = relay
         self.max_body_bytes = max_body_bytes
         self.aliases = aliases or AliasTable(registry)
+        self.body_timeout = body_timeout  # seconds to receive a whole request body
         self.started = time.time()
         self.request_ids = RequestIds()
         # The relay requests being handled now (their tasks): shutdown waits for them.
@@ -122,20 +151,22 @@ class Routes:
 
     def add_to(self, app: web.Application) -> None:
         r = app.router
-        r.add_get("/v1/models", self.models)
-        r.add_get("/health", self.health)
-        r.add_get("/list_workers", self.list_workers)
-        r.add_get("/list_models", self.list_models)
-        r.add_post("/list_models", self.list_models)
-        r.add_post("/v1/{tail:.*}", self.relay_request)
+        get = partial(r.add_get, expect_handler=expect_continue)
+        post = partial(r.add_post, expect_handler=expect_continue)
+        get("/v1/models", self.models)
+        get("/health", self.health)
+        get("/list_workers", self.list_workers)
+        get("/list_models", self.list_models)
+        post("/list_models", self.list_models)
+        post("/v1/{tail:.*}", self.relay_request)
         for path in ROOT_MODEL_PATHS:
-            r.add_post(path, self.relay_request)
+            post(path, self.relay_request)
 
     # --- the relay -------------------------------------------------------------------------
 
     async def relay_request(self, request: web.Request) -> web.StreamResponse:
         """Relay one OpenAI request to a worker serving its model."""
-        request_id = request.headers.get("X-Request-Id") or self.request_ids.new()
+        request_id = client_request_id(request.headers) or self.request_ids.new()
         request[REQUEST_ID] = request_id
         task = asyncio.current_task()
         assert task is not None  # aiohttp runs every handler in a task
@@ -169,7 +200,18 @@ class Routes:
             raise BodyTooLarge(
                 f"The request body is {length} bytes; the limit is {self.max_body_bytes}."
             )
-        return await request.read()
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                return await request.read()
+        except TimeoutError:
+            raise RequestTimeout(
+                f"The request body did not arrive within {self.body_timeout:g} s."
+            ) from None
+        except web.RequestPayloadError:  # e.g. not in the Content-Encoding it claims
+            coding = request.headers.get("Content-Encoding", "identity")[:40]
+            raise BadRequest(
+                f"The request body could not be read (Content-Encoding: {coding})."
+            ) from None
 
     # --- fleet endpoints -------------------------------------------------------------------
 

@@ -15,6 +15,9 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from vllm_gateway.client_protocol import ClientRunner
+from vllm_gateway.config import ClientConfig
+
 
 class RunningServer:
     """An application listening on a socket."""
@@ -54,17 +57,27 @@ async def start_server(
     reuse_port: bool = False,
     shutdown_timeout: float = 5.0,
     unix_path: str | None = None,
+    client: ClientConfig | None = None,
 ) -> RunningServer:
     """Start serving `app`; return once it listens (its startup hooks have run).
 
     `reuse_port`: bind with SO_REUSEPORT (several processes on one port). `unix_path`: also
-    serve the same app on this unix socket (the sibling channel of `--processes`).
+    serve the same app on this unix socket (the sibling channel of `--processes`). `client`
+    bounds what a client connection may send and how slowly (defaults: config.py).
     """
-    runner = web.AppRunner(
+    client = client or ClientConfig()
+    runner = ClientRunner(
         app,
         handler_cancellation=True,  # a departed client cancels its handler (and the relay)
         access_log=None,  # the gateway writes its own, structured and opt-in
         shutdown_timeout=shutdown_timeout,
+        # aiohttp closes a connection that has not sent a whole request line and headers
+        # this long after it opened or after its previous answer: a slow-loris guard, and
+        # the idle keep-alive limit (aiohttp's own default is an hour).
+        keepalive_timeout=client.header_timeout,
+        max_line_size=client.max_header_bytes,
+        max_field_size=client.max_header_bytes,
+        max_headers=client.max_headers,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=4096)
