@@ -179,9 +179,13 @@ header_names = st.one_of(
     ),
     st.from_regex(r"\A[A-Za-z0-9!#$%&'*+.^_`|~-]{1,30}\Z"),
 ).filter(lambda n: n.lower() not in ("x-fake-fault", "content-length", "transfer-encoding"))
-# Mostly values a client library would send (visible ASCII and spaces), and some with any
-# byte but CR and LF (which end the line): obs-text, NUL, DEL, other controls, as latin-1.
+# Values that mean something in some header, values a client library would send (visible
+# ASCII and spaces), and some with any byte but CR and LF (which end the line): obs-text,
+# NUL, DEL, other controls, as latin-1.
 header_values = st.one_of(
+    st.sampled_from(
+        ["100-continue", "gzip", "deflate", "chunked", "close", "keep-alive", "upgrade", "0"]
+    ),
     st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40),
     st.text(
         alphabet=st.characters(min_codepoint=0, max_codepoint=255, blacklist_characters="\r\n"),

@@ -67,9 +67,11 @@ HOP_BY_HOP = frozenset(
     )
 )
 _HOP_BY_HOP_B = frozenset(h.encode() for h in HOP_BY_HOP)
-# Request headers describing what the gateway replaced: the request id (ours goes out) and
-# the body's coding (aiohttp's server decodes a gzip/deflate body; it goes out decoded).
-_NOT_FORWARDED = _HOP_BY_HOP_B | {b"x-request-id", b"content-encoding"}
+# Request headers describing what the gateway replaced: the request id (ours goes out), the
+# body's coding (aiohttp's server decodes a gzip/deflate body; it goes out decoded), and an
+# `Expect: 100-continue` the gateway already met (it has the whole body; a worker's
+# interim 100 answer must not reach the client as the answer).
+_NOT_FORWARDED = _HOP_BY_HOP_B | {b"x-request-id", b"content-encoding", b"expect"}
 _NOT_FORWARDED_NO_AUTH = _NOT_FORWARDED | {b"authorization"}
 
 
