@@ -89,6 +89,10 @@ class AdminClient:
     async def workers(self) -> list[dict[str, Any]]:
         return (await self.request("GET", "/admin/workers"))["workers"]
 
+    async def list_workers(self) -> list[dict[str, Any]]:
+        """GET /list_workers: every worker, in-flight counts added up over the processes."""
+        return (await self.request("GET", "/list_workers"))["workers"]
+
     async def add(
         self, url: str, models: list[str] | None = None, weight: float | None = None
     ) -> dict[str, Any]:

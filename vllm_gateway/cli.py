@@ -15,6 +15,7 @@ import click
 from vllm_gateway import __version__
 from vllm_gateway.config import GatewayConfig, load_config
 from vllm_gateway.errors import ConfigError
+from vllm_gateway.fleet_cli import COMMANDS
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -268,6 +269,10 @@ def fake_worker(
         raise click.BadParameter(str(e)) from None
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         runner.run(run_forever(config, host, port))
+
+
+for _command in COMMANDS:  # register, workers ..., rollout
+    main.add_command(_command)
 
 
 if __name__ == "__main__":  # pragma: no cover
