@@ -216,3 +216,26 @@ async def test_metrics_and_page_can_be_switched_off(gateway, http):
     for path in ("/metrics", "/", "/dashboard"):
         async with http.get(gw.url + path) as r:
             assert r.status == 404
+
+
+async def test_breaker_openings_and_circuit_are_exported(fake_worker, gateway, client, http):
+    from vllm_gateway.config import BreakerConfig
+
+    bad = await fake_worker(models="m", fault="status=500")
+    good = await fake_worker(models="m")
+    gw = await gateway(
+        [bad, good], policy="round_robin", breaker=BreakerConfig(failures=2, open_seconds=60)
+    )
+    c = client(gw)
+    for _ in range(6):
+        try:
+            await c.completions.create(model="m", prompt="x", max_tokens=1)
+        except openai.InternalServerError:
+            pass
+    m = await scrape(http, gw)
+    openings = m["vllm_gateway_worker_breaker_openings"]
+    assert total(openings, "vllm_gateway_worker_breaker_openings_total", worker=bad.url) == 1
+    assert total(openings, "vllm_gateway_worker_breaker_openings_total", worker=good.url) == 0
+    circuit = m["vllm_gateway_worker_circuit"]
+    assert total(circuit, "vllm_gateway_worker_circuit", worker=bad.url, circuit="open") == 1
+    assert total(circuit, "vllm_gateway_worker_circuit", worker=good.url, circuit="closed") == 1

@@ -23,7 +23,7 @@ from vllm_gateway import __version__
 from vllm_gateway.dispatch import Dispatcher, Lease
 from vllm_gateway.errors import GatewayError
 from vllm_gateway.scrape import Scraper
-from vllm_gateway.workers import WorkerRegistry, WorkerState
+from vllm_gateway.workers import Circuit, WorkerRegistry, WorkerState
 
 # Time to first byte: from dispatch to the first body byte relayed (prefill plus queueing).
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -218,6 +218,26 @@ def render(
             if state is not WorkerState.REMOVED:
                 value = 1 if worker.state is state else 0
                 w.sample(p + "worker_state", value, (("worker", worker.url), ("state", state)))
+    w.family(
+        p + "worker_circuit",
+        "gauge",
+        "1 for the circuit each worker's breaker is in (closed, open, half_open), 0 else.",
+    )
+    for worker in workers:
+        for circuit in Circuit:
+            value = 1 if worker.circuit is circuit else 0
+            w.sample(p + "worker_circuit", value, (("worker", worker.url), ("circuit", circuit)))
+    w.family(
+        p + "worker_breaker_openings_total",
+        "counter",
+        "Times each worker's circuit breaker opened (failed requests in a row).",
+    )
+    for worker in workers:
+        w.sample(
+            p + "worker_breaker_openings_total",
+            worker.breaker_openings,
+            (("worker", worker.url),),
+        )
     w.family(p + "worker_info", "gauge", "Always 1; labels say how each worker became known.")
     for worker in workers:
         w.sample(p + "worker_info", 1, (("worker", worker.url), ("source", worker.source)))
