@@ -26,10 +26,13 @@ from vllm_gateway.scrape import Scraper
 from vllm_gateway.workers import Circuit, WorkerRegistry, WorkerState
 
 # Time to first byte: from dispatch to the first body byte relayed (prefill plus queueing).
-TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TTFB_BUCKETS = (
+    *(0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75),
+    *(1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
 # Whole request: generations run from milliseconds (embeddings) to minutes (long answers).
 DURATION_BUCKETS = (
-    *(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+    *(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0),
     *(20.0, 30.0, 60.0, 120.0, 300.0, 600.0),
 )
 
