@@ -75,6 +75,13 @@ _NOT_FORWARDED = _HOP_BY_HOP_B | {b"x-request-id", b"content-encoding", b"expect
 _NOT_FORWARDED_NO_AUTH = _NOT_FORWARDED | {b"authorization"}
 
 
+class RelayResponse(web.StreamResponse):
+    """A StreamResponse whose headers wait for the first body bytes, so a whole answer
+    leaves in one write (one syscall, one wake-up of the client) instead of two."""
+
+    _send_headers_immediately = False
+
+
 def request_head(
     method: str,
     target: str,
@@ -209,7 +216,7 @@ class Relay:
     ) -> web.StreamResponse:
         """Commit the worker's status and headers to the client and relay the body."""
         try:
-            response = web.StreamResponse(
+            response = RelayResponse(
                 status=conn.status,
                 reason=conn.reason.decode("latin-1") or None,
                 headers=client_headers(conn.headers, lease.info.request_id),
