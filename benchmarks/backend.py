@@ -161,10 +161,13 @@ class BackendProtocol(asyncio.Protocol):
             t.close()
 
 
-def raise_fd_limit() -> int:
-    """Raise this process's open-file limit to its hard limit; return the new soft limit."""
+def raise_fd_limit(want: int = 100_000) -> int:
+    """Raise the open-file limit (to `want` where allowed, e.g. as root; else to the hard
+    limit); children inherit it. Return the new soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(want, soft), max(want, hard)))
+    except (ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import re
 import sys
@@ -81,6 +82,9 @@ class Client(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if not self.stream:
             return
+        if self.parser.get_status_code() != 200:
+            self.stats.why[body[:160].decode(errors="replace")] += 1
+            return
         now = time.monotonic()
         buf = self.buf + body
         end = buf.rfind(b"\n\n")
@@ -97,16 +101,22 @@ class Client(asyncio.Protocol):
         if not self.got_event:
             self.got_event = True
             self.stats.first_events += 1
-            if self.stats.first_events == self.stats.expected_open:
-                print(f"open {self.stats.first_events}", flush=True)
+            self.stats.settle()
 
     def on_message_complete(self) -> None:
-        ok = self.parser.get_status_code() == 200 and (self.saw_done or not self.stream)
+        status = self.parser.get_status_code()
+        ok = status == 200 and (self.saw_done or not self.stream)
+        if not ok:
+            self.stats.why[f"status {status}" if status != 200 else "no [DONE]"] += 1
         if not self.stream:
             self.stats.latencies.append(time.monotonic() - self.sent_at)
         self._end(ok)
 
     def _end(self, ok: bool) -> None:
+        if self.stream and not self.got_event:
+            self.got_event = True
+            self.stats.expected_open -= 1  # failed before its first event
+            self.stats.settle()
         if ok:
             self.stats.ok += 1
         else:
@@ -116,7 +126,8 @@ class Client(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.finished.done():
-            self.stats.errors += 1
+            self.stats.why[f"closed ({exc})"] += 1
+            self._end(False)
             self.finished.set_result(False)
 
 
@@ -129,6 +140,12 @@ class Stats:
         self.expected_open = expected_open
         self.latencies: list[float] = []
         self.delays: list[float] = []
+        self.why: collections.Counter[str] = collections.Counter()  # errors, by kind
+
+    def settle(self) -> None:
+        """Say `open N` once every stream has its first event or has failed."""
+        if self.first_events == self.expected_open:
+            print(f"open {self.first_events}", flush=True)
 
 
 async def run_requests(url: str, connections: int, duration: float) -> dict:
@@ -182,9 +199,11 @@ async def run_streams(url: str, streams: int, timeout: float, ramp: float) -> di
             _, proto = await loop.create_connection(
                 lambda: Client(request, stats, True), parts.hostname, parts.port
             )
-        except OSError:
+        except OSError as e:
             stats.errors += 1
+            stats.why[f"connect: {e.strerror or e}"] += 1
             stats.expected_open -= 1
+            stats.settle()
             return
         opened += 1
         proto.send()
@@ -203,6 +222,7 @@ async def run_streams(url: str, streams: int, timeout: float, ramp: float) -> di
         "completed": stats.ok,
         "errors": stats.errors + (streams - stats.ok - stats.errors),
         "timed_out": timed_out,
+        "error_kinds": dict(stats.why),
         "events": stats.events,
         "seconds": time.monotonic() - started,
         "delay_p50_ms": percentile(delays, 0.5) * 1000,

@@ -390,9 +390,17 @@ def mode_stream(args: argparse.Namespace, router_bin: str | None) -> dict:
 
 
 def mode_hold(args: argparse.Namespace, router_bin: str | None) -> dict:
-    # Long, slow streams: every stream stays open for the whole ramp and then some.
-    pace_ms = 1000.0
-    chunks = int(args.hold_ramp + 15)
+    # Each stream holds two sockets in the gateway (client and worker side): stay within
+    # the open-file limit (a sandbox may forbid raising it), and say so.
+    limit = raise_fd_limit()
+    if args.hold * 2 + 200 > limit:
+        held = (limit - 200) // 2
+        print(f"\nnote: open-file limit {limit}: holding {held} streams, not {args.hold}")
+        args = argparse.Namespace(**{**vars(args), "hold": held})
+    # Long, slow streams: every stream stays open for the whole ramp and then some. The
+    # pace is slow so that the Python backend and load generator keep up with 10,000.
+    pace_ms = 2000.0
+    chunks = int(args.hold_ramp / 2 + 8)
     backend, backend_url = start_backend(args, chunks, pace_ms)
     procs = [backend]
     results: dict[str, dict] = {}
@@ -416,12 +424,19 @@ def mode_hold(args: argparse.Namespace, router_bin: str | None) -> dict:
         for p in procs:
             p.stop()
     rows = [
-        [name, str(r["completed"]), str(r["errors"]), fmt(r["rss_per_stream_kb"])]
+        [
+            name,
+            str(r["completed"]),
+            str(r["errors"]),
+            "yes" if r["timed_out"] else "no",
+            fmt(r["rss_per_stream_kb"]),
+            fmt(r["rss_total_mb"]),
+        ]
         for name, r in results.items()
     ]
     print_table(
-        f"hold: {args.hold} concurrent streams through one process, {chunks} events 1 s apart",
-        ["target", "completed", "errors", "RSS KB/stream"],
+        f"hold: {args.hold} concurrent streams through one process, {chunks} events 2 s apart",
+        ["target", "completed", "errors", "timed out", "RSS KB/stream", "RSS MB idle after"],
         rows,
     )
     return results
@@ -489,7 +504,7 @@ def main(argv: list[str]) -> None:
     p.add_argument("--pad", type=int, default=0, help="extra bytes per event")
     p.add_argument("--ramp", type=float, default=0.5, help="open the streams over this many s")
     p.add_argument("--hold", type=int, default=10_000, help="streams held open (hold mode)")
-    p.add_argument("--hold-ramp", type=float, default=10.0, help="open them over this many s")
+    p.add_argument("--hold-ramp", type=float, default=20.0, help="open them over this many s")
     p.add_argument("--hold-router", action="store_true", help="also hold through vllm-router")
     p.add_argument("--router", help="vllm-router executable (default: bench-out venv or PATH)")
     p.add_argument("--no-router", action="store_true", help="skip vllm-router")

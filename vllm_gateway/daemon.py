@@ -20,6 +20,8 @@ all of them (READY once every process is ready, and again once every process rel
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import resource
 import signal
 import time
 from collections.abc import Callable, Mapping
@@ -51,6 +53,15 @@ def serve(config: GatewayConfig, load: Callable[[], GatewayConfig] | None = None
     return 0
 
 
+def raise_open_files_limit() -> None:
+    """Let this process hold as many connections as the service manager allows: raise the
+    soft open-file limit to the hard one (each stream holds two sockets)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 def run_gateway(
     config: GatewayConfig,
     load: Callable[[], GatewayConfig] | None = None,
@@ -65,6 +76,7 @@ def run_gateway(
     `process_index` of `process_count`: which of the `serve --processes N` processes this is
     (their private sockets live in `control_dir`)."""
     logging_setup.configure(config.log.format, config.log.level)
+    raise_open_files_limit()
     notifier = Notifier(env, process=process_index if process_count > 1 else None)
     daemon = Daemon(config, load, notifier, process_index, process_count, control_dir)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
