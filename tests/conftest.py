@@ -78,7 +78,8 @@ async def client() -> AsyncIterator[Callable[..., openai.AsyncOpenAI]]:
     def make(server: Any, **kwargs: Any) -> openai.AsyncOpenAI:
         kwargs.setdefault("max_retries", 0)
         kwargs.setdefault("timeout", 20)
-        c = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", **kwargs)
+        kwargs.setdefault("api_key", "unused")
+        c = openai.AsyncOpenAI(base_url=server.url + "/v1", **kwargs)
         made.append(c)
         return c
 

@@ -1,7 +1,7 @@
 """Who may change the fleet: bearer tokens, and where a registered worker may point.
 
-Tokens (admin.token, registration.token) are compared in constant time
-(`hmac.compare_digest`). A refusal is logged with the peer address, the path and why
+Tokens (admin.token, registration.token) are compared in constant time (`same_secret`,
+which client API keys use too, auth.py). A refusal is logged with the peer address, the path and why
 (missing or wrong token), never with the token itself, and answered 401 (no or wrong
 credentials) or 403 (not allowed at all) with an OpenAI error body.
 
@@ -50,13 +50,19 @@ def bearer_token(request: web.Request) -> str | None:
     return token.strip()
 
 
+def same_secret(given: str, expected: str) -> bool:
+    """Are two secrets (tokens, key digests) equal? In constant time: the one comparison
+    every credential check uses, so no check leaks through its timing."""
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
 def require_token(request: web.Request, expected: str, what: str) -> None:
     """Raise `Unauthorized` unless the request carries `expected` as its bearer token.
 
     `what` names the API in the log line and the error ("admin API", "registration").
     """
     given = bearer_token(request)
-    if given is not None and hmac.compare_digest(given.encode(), expected.encode()):
+    if given is not None and same_secret(given, expected):
         return
     reason = "no bearer token" if given is None else "wrong token"
     refuse(request, what, reason)

@@ -8,6 +8,7 @@ without leaving a task or a socket behind.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +20,7 @@ from vllm_gateway import log as logging_setup
 from vllm_gateway.access_log import AccessLog
 from vllm_gateway.admin import AdminApi
 from vllm_gateway.aliases import AliasTable, check_alias
+from vllm_gateway.auth import ClientKeys
 from vllm_gateway.breaker import CircuitBreaker
 from vllm_gateway.config import GatewayConfig, normalize_url
 from vllm_gateway.dispatch import Dispatcher, Lease
@@ -59,6 +61,11 @@ RESTART_ONLY = (
     "processes",
     "max_body_bytes",
     "timeouts.connect",
+    "client.header_timeout",
+    "client.max_header_bytes",
+    "client.max_headers",
+    "auth.forward_authorization",
+    "auth.worker_api_key",
     "registration",
     "telemetry.metrics",
     "telemetry.status_page",
@@ -86,6 +93,7 @@ class Gateway:
     metrics: RequestMetrics
     reloads: ReloadCounters
     status: StatusViews
+    keys: ClientKeys | None = None  # client API keys (auth.py)
     access_log: AccessLog | None = None
     # routes.ERROR_HOOKS of this app: called for each error the gateway answers itself.
     error_hooks: list[Callable[[web.Request, GatewayError], None]] = field(default_factory=list)
@@ -169,9 +177,16 @@ def create_app(
         registry, policy, policy_for_model=per_model, retry=config.retry, rng=rng
     )
     pool = UpstreamPool(config.timeouts.connect)
-    relay = Relay(pool, config.timeouts)
-    prober = Prober(registry, pool, config.probe)
-    scraper = Scraper(registry, pool, config.scrape)
+    worker_key = config.auth.worker_api_key or None  # vLLM --api-key of the workers
+    relay = Relay(
+        pool,
+        config.timeouts,
+        forward_authorization=config.auth.forward_authorization,
+        worker_api_key=worker_key,
+    )
+    prober = Prober(registry, pool, config.probe, api_key=worker_key)
+    scraper = Scraper(registry, pool, config.scrape, api_key=worker_key)
+    keys = ClientKeys(config.auth)
     breaker = CircuitBreaker(registry, config.breaker)
     dispatcher.on_release.append(breaker.on_release)
     fleet = Fleet(registry, prober, breaker)
@@ -197,7 +212,7 @@ def create_app(
     status = StatusViews(config, metrics, registry, dispatcher, scraper, reloads, time.time())
 
     siblings = None
-    middlewares = [error_middleware]
+    middlewares = [error_middleware, keys.middleware]
     if process_count > 1:
         assert control_dir is not None, "several processes need a control_dir"
         siblings = Siblings(process_index, process_count, control_dir)
@@ -222,6 +237,7 @@ def create_app(
         metrics,
         reloads,
         status,
+        keys=keys,
     )
     app[CONFIG] = config
     app[REGISTRY] = registry
@@ -342,11 +358,18 @@ def apply_config(app: web.Application, new: GatewayConfig) -> list[str]:
         g.admin.token = new.admin.token
         g.admin.drain_timeout = new.admin.drain_timeout
         changes.append("admin settings changed")
+    if new.auth.keys != old.auth.keys:
+        assert g.keys is not None
+        g.keys.load(new.auth.keys)
+        changes.append(f"client API keys: {len(new.auth.keys)} configured")
+    if new.client.body_timeout != old.client.body_timeout:
+        g.routes.body_timeout = new.client.body_timeout
+        changes.append(f"client.body_timeout: {new.client.body_timeout:g} s")
     if new.lifecycle != old.lifecycle:
         changes.append("lifecycle settings changed")  # read when the next stop begins
     for key in RESTART_ONLY:
         if _get(old, key) != _get(new, key):
-            changes.append(f"{key}: {_get(new, key)!r} takes effect at the next restart")
+            changes.append(f"{key}: {_shown(new, key)} takes effect at the next restart")
     g.config = g.status.config = new
     return changes
 
@@ -388,3 +411,15 @@ def _get(config: object, dotted: str) -> object:
     for part in dotted.split("."):
         config = getattr(config, part)
     return config
+
+
+def _shown(config: object, dotted: str) -> str:
+    """A setting's new value for the reload log: never a secret, nor a whole section (which
+    may hold one, e.g. registration.token)."""
+    parent, _, name = dotted.rpartition(".")
+    owner = _get(config, parent) if parent else config
+    field = next(f for f in dataclasses.fields(owner) if f.name == name)  # type: ignore[arg-type]
+    value = getattr(owner, name)
+    if field.metadata.get("secret") or dataclasses.is_dataclass(value):
+        return "(changed)"
+    return repr(value)

@@ -1,4 +1,4 @@
-"""The `vllm-gateway` command line: serve, demo, chat, fake-worker.
+"""The `vllm-gateway` command line: serve, check-config, hash-key, demo, chat, fake-worker.
 
 Options default to None so that "not given" is distinguishable from a default: defaults
 live in config.py alone, and a flag only overrides what the config file and environment say.
@@ -149,6 +149,39 @@ def check_config(config_path: str | None) -> None:
 
     config = _load(config_path, {})
     click.echo(effective_toml(config), nl=False)
+
+
+@main.command("hash-key", context_settings=CONTEXT)
+@click.option("--name", default="my-client", show_default=True, help="The key's name.")
+@click.option("--generate", is_flag=True, help="Make a new random key (printed once, to stderr).")
+def hash_key_command(name: str, generate: bool) -> None:
+    """Print the configuration table of a client API key: its SHA-256, never the key.
+
+    The key is read from standard input (a hidden prompt on a terminal), so it never
+    shows on a command line or in shell history. With --generate, a new random key goes to
+    stderr and the table to stdout, so `... --generate >> gateway.toml` stores only the hash.
+
+    \b
+      vllm-gateway hash-key --name team-a              # asks for the key
+      printf %s "$KEY" | vllm-gateway hash-key         # reads it from a pipe
+      vllm-gateway hash-key --generate --name team-a   # makes a new one
+    """
+    from vllm_gateway.auth import generate_key, hash_key
+
+    if not name or any(c in name for c in '"\\\n\r'):
+        raise click.BadParameter("use letters, digits, dashes or dots", param_hint="--name")
+    if generate:
+        key = generate_key()
+        click.echo(f"API key for {name} (give it to the client; it is not stored): {key}", err=True)
+    elif sys.stdin.isatty():
+        key = click.prompt("API key", hide_input=True)
+    else:
+        key = sys.stdin.read().strip()
+    if not key:
+        raise click.ClickException("no key given on standard input")
+    click.echo(f'[auth.keys."{name}"]\nsha256 = "{hash_key(key)}"')
+    click.echo("# max_concurrent = 0        # requests in flight at once; 0: no limit")
+    click.echo("# requests_per_minute = 0   # 0: no limit")
 
 
 @main.command(context_settings=CONTEXT)

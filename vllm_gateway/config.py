@@ -120,6 +120,50 @@ class ClientConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ApiKeyConfig:
+    """One client API key, by name: `[auth.keys."NAME"]` (auth.py)."""
+
+    sha256: str = setting(
+        "",
+        "SHA-256 of the key, in hex (`vllm-gateway hash-key` prints it); the key itself is "
+        "never stored.",
+        secret=True,
+    )
+    max_concurrent: int = setting(
+        0, "Most requests this key may have in flight at once; 0: no limit.", minimum=0
+    )
+    requests_per_minute: float = setting(
+        0.0,
+        "Requests this key may start per minute, on average, with a burst of as many; 0: no limit.",
+        unit="requests/minute",
+        minimum=0.0,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """Client API keys, and the credentials the gateway presents to workers."""
+
+    # setting() turns a dict default into a default_factory, so no instance shares it.
+    keys: dict[str, ApiKeyConfig] = setting(  # noqa: RUF009
+        {},
+        'Client API keys: `[auth.keys."NAME"]` tables. With none, the OpenAI API is open; '
+        "with any, /v1/* and the model endpoints need `Authorization: Bearer <key>`.",
+    )
+    forward_authorization: bool = setting(
+        False,
+        "Pass the client's own Authorization header on to the worker (off: it stays at "
+        "the gateway). Ignored when worker_api_key is set.",
+    )
+    worker_api_key: str = setting(
+        "",
+        "Bearer token sent to every worker (vLLM --api-key) on requests, probes and "
+        "scrapes. Empty: none.",
+        secret=True,
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class RetryConfig:
     """Trying a request again on another worker. The rule (dispatch.py, docs/reliability.md):
     only when it provably never reached the worker's application, or the worker answered
@@ -368,6 +412,7 @@ class GatewayConfig:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
@@ -447,6 +492,12 @@ def validate(config: GatewayConfig) -> list[str]:
             errors.append(f"scrape.{key}: name at least one metric")
     if not config.host or any(c in config.host for c in "/ "):
         errors.append(f"host: {config.host!r} is not an address or host name")
+    for name, key in config.auth.keys.items():
+        if len(key.sha256) != 64 or any(c not in "0123456789abcdefABCDEF" for c in key.sha256):
+            errors.append(
+                f"auth.keys.{name}.sha256: expected 64 hex digits "
+                "(`vllm-gateway hash-key` prints them)"
+            )
     for i, net in enumerate(config.registration.allowed_networks):
         try:
             ipaddress.ip_network(net, strict=False)

@@ -14,6 +14,8 @@
         ├── WorkerNotFound      404 worker_not_found (admin and registration APIs)
         ├── RouteNotFound       404 / 405 (no such endpoint or method)
         ├── QueueFull           429 with Retry-After
+        ├── RateLimited         429 with Retry-After (a client key's requests per minute)
+        │   └── ConcurrencyLimited  429 (a client key's concurrent requests)
         ├── NoWorkerAvailable   503 with Retry-After
         │   ├── QueueTimeout    503 (waited in the admission queue too long)
         │   └── GatewayStopping 503 (shut down before the worker answered)
@@ -122,6 +124,17 @@ class QueueFull(GatewayError):
     type = "rate_limit_error"
     code = "queue_full"
     retry_after = 1.0
+
+
+class RateLimited(GatewayError):
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+    retry_after = 1.0
+
+
+class ConcurrencyLimited(RateLimited):
+    code = "concurrency_limit_exceeded"
 
 
 class NoWorkerAvailable(GatewayError):
