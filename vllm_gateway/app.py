@@ -287,6 +287,7 @@ def create_app(
     app.cleanup_ctx.extend([upstream_ctx, prober_ctx, scraper_ctx, fleet_ctx])
     if siblings is not None:
         app[SIBLINGS] = siblings
+        status.process, status.siblings = process_index, siblings
 
         async def siblings_ctx(app: web.Application) -> AsyncIterator[None]:
             await siblings.open()

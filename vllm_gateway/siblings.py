@@ -124,6 +124,17 @@ class Siblings:
             *(self._send(s, request.method, request.path_qs, headers, body) for s in self._sessions)
         )
 
+    @staticmethod
+    def asked_by_sibling(request: web.Request) -> bool:
+        """Is this request a sibling asking for this process's own view?"""
+        return _from_sibling(request)
+
+    async def collect(self, request: web.Request) -> list[bytes]:
+        """Each sibling's own answer (body) to this GET; a read, not counted as a fan-out."""
+        answers = await self.broadcast(request, b"")
+        self.fanned_out -= 1
+        return [a[1] for a in answers if a is not None and a[0] == 200]
+
     def middleware(self) -> Callable:
         """The aiohttp middleware: fan control requests out, merge /list_workers."""
 

@@ -15,13 +15,16 @@ import os
 import time
 from dataclasses import dataclass
 
+import orjson
 from aiohttp import web
 
 from vllm_gateway import __version__
 from vllm_gateway.config import GatewayConfig
 from vllm_gateway.dispatch import CLIENT_GONE, OK, Dispatcher
+from vllm_gateway.processes_view import merge_expositions, merge_stats
 from vllm_gateway.routes import describe_worker, json_response
 from vllm_gateway.scrape import Scraper
+from vllm_gateway.siblings import Siblings
 from vllm_gateway.telemetry import (
     CONTENT_TYPE,
     Histogram,
@@ -44,6 +47,9 @@ class StatusViews:
     reloads: ReloadCounters
     started: float  # Unix time the process started serving
     page: bytes = b""
+    # With --processes N: this process's index and its siblings, whose views are merged in.
+    process: int | None = None
+    siblings: Siblings | None = None
 
     def add_to(self, app: web.Application, *, metrics: bool, page: bool) -> None:
         if metrics:
@@ -58,8 +64,17 @@ class StatusViews:
 
     async def prometheus(self, request: web.Request) -> web.Response:
         text = render(
-            self.metrics, self.registry, self.dispatcher, self.scraper, self.reloads, self.started
+            self.metrics,
+            self.registry,
+            self.dispatcher,
+            self.scraper,
+            self.reloads,
+            self.started,
+            self.process,
         )
+        if self.siblings is not None and not self.siblings.asked_by_sibling(request):
+            others = await self.siblings.collect(request)
+            text = merge_expositions([text, *(body.decode() for body in others)])
         return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
 
     async def status_page(self, request: web.Request) -> web.Response:
@@ -71,7 +86,11 @@ class StatusViews:
         )
 
     async def stats(self, request: web.Request) -> web.Response:
-        return json_response(self.snapshot())
+        doc = self.snapshot()
+        if self.siblings is not None and not self.siblings.asked_by_sibling(request):
+            others = await self.siblings.collect(request)
+            doc = merge_stats(doc, [orjson.loads(body) for body in others])
+        return json_response(doc)
 
     def snapshot(self) -> dict[str, object]:
         """Counters and gauges as they are now; rates are the reader's business."""
@@ -113,6 +132,7 @@ class StatusViews:
                 "pid": os.getpid(),
                 "time": time.time(),
                 "started": self.started,
+                "processes": 1,
                 "policy": self.config.policy,
                 "retries": self.dispatcher.retries,
                 "config_reloads": {

@@ -132,14 +132,17 @@ def _labels(pairs: Iterable[tuple[str, object]]) -> str:
 class _Writer:
     """Collects lines of the text exposition format (version 0.0.4)."""
 
-    def __init__(self) -> None:
+    def __init__(self, const: tuple[tuple[str, object], ...] = ()) -> None:
         self.lines: list[str] = []
+        self.const = const  # labels on every sample (the process, with --processes N)
 
     def family(self, name: str, type_: str, help_: str) -> None:
         self.lines.append(f"# HELP {name} {help_}")
         self.lines.append(f"# TYPE {name} {type_}")
 
     def sample(self, name: str, value: float, labels: Iterable[tuple[str, object]] = ()) -> None:
+        if self.const:
+            labels = (*labels, *self.const)
         self.lines.append(f"{name}{_labels(labels)} {_number(value)}")
 
     def histograms(self, name: str, help_: str, series: dict[tuple[str, str], Histogram]) -> None:
@@ -165,9 +168,11 @@ def render(
     scraper: Scraper,
     reloads: ReloadCounters,
     started: float,
+    process: int | None = None,
 ) -> str:
-    """The whole /metrics document. `started` is the process start, in Unix seconds."""
-    w = _Writer()
+    """The whole /metrics document. `started` is the process start, in Unix seconds;
+    `process` (with --processes N) labels every sample with the process's index."""
+    w = _Writer((("process", process),) if process is not None else ())
     p = "vllm_gateway_"
 
     w.family(p + "build_info", "gauge", "Always 1; the version label says which gateway runs.")
