@@ -88,3 +88,28 @@ def test_env_example_names_real_settings():
             line = line.strip().lstrip("#")
             if line.startswith(ENV_PREFIX):
                 assert line.split("=")[0] in names, line
+
+
+ALERTS = os.path.join(os.path.dirname(__file__), "..", "deploy", "prometheus")
+
+
+@pytest.mark.skipif(not shutil.which("promtool"), reason="promtool not installed (Prometheus)")
+def test_sample_alerts_are_valid_and_fire_as_tested():
+    for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"]):
+        r = subprocess.run(
+            ["promtool", *args], cwd=ALERTS, capture_output=True, text=True, timeout=60
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+async def test_sample_alerts_use_series_the_gateway_exports(gateway, http):
+    import re
+
+    gw = await gateway(workers=())
+    async with http.get(gw.url + "/metrics") as resp:
+        exported = set(re.findall(r"^# TYPE (\w+) ", await resp.text(), re.M))
+    with open(os.path.join(ALERTS, "alerts.yml")) as f:
+        used = set(re.findall(r"\b(vllm_gateway_\w+)", f.read()))
+    for name in used:
+        family = re.sub(r"_(bucket|count|sum)$", "", name)
+        assert name in exported or family in exported, name

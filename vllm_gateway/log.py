@@ -92,7 +92,11 @@ def access_writer() -> Callable[[dict[str, Any]], None]:
     """
     stream = _json_stream
     if stream is None:
-        logger = structlog.get_logger(ACCESS_LOGGER)
+        # Filtered at INFO whatever log.level says: switching it on is the operator's wish.
+        logger = structlog.wrap_logger(
+            logging.getLogger(ACCESS_LOGGER),
+            wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+        )
 
         def write_console(fields: dict[str, Any]) -> None:
             logger.info("request", **fields)
