@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import wait_until
+from tests.conftest import FAST_PROBES, replace, wait_until
 from vllm_gateway.app import GATEWAY, REGISTRY
 from vllm_gateway.telemetry import TTFB_BUCKETS, Histogram
 
@@ -147,7 +147,9 @@ async def test_gauges_are_read_at_scrape_time(fake_worker, gateway, http):
 async def test_retries_and_unreachable_attempts_are_counted(fake_worker, gateway, client, http):
     a = await fake_worker(models="m")
     b = await fake_worker(models="m")
-    gw = await gateway([a, b], policy="round_robin")
+    # Probes slow enough that `a` stays ready: a probe that marked it unhealthy before any
+    # request went to it would leave nothing to retry (a race seen under load).
+    gw = await gateway([a, b], policy="round_robin", probe=replace(FAST_PROBES, interval=30))
     await a.pause()
     c = client(gw)
     for _ in range(4):
