@@ -57,16 +57,17 @@ class GatewayProcess:
         )
         self.config_path.write_text(text)
 
-    async def start(self, **env: str) -> dict[str, str]:
-        """Start the process; return its first notification (READY)."""
+    async def start(self, watchdog_pid: bool = False, **env: str) -> dict[str, str]:
+        """Start the process; return its first notification (READY).
+
+        `watchdog_pid`: set WATCHDOG_PID to the gateway's own pid, as systemd does (a shell
+        exports its pid, then execs the gateway in its place)."""
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
+        cmd = [sys.executable, "-m", "vllm_gateway", "serve", "--config", str(self.config_path)]
+        if watchdog_pid:
+            cmd = ["sh", "-c", 'export WATCHDOG_PID=$$; exec "$@"', "sh", *cmd]
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "vllm_gateway",
-            "serve",
-            "--config",
-            str(self.config_path),
+            *cmd,
             stdout=asyncio.subprocess.DEVNULL,
             stderr=self._log,
             env={**os.environ, "NOTIFY_SOCKET": self.notify_name, **env},
@@ -170,7 +171,7 @@ async def test_notify_ready_reloading_stopping_in_order(fake_worker, gateway_pro
 
 async def test_watchdog_pings_reach_systemd(fake_worker, gateway_process):
     gp = gateway_process([await fake_worker(models="m")])
-    await gp.start(WATCHDOG_USEC="200000")
+    await gp.start(watchdog_pid=True, WATCHDOG_USEC="200000")
     pings = 0
     async with asyncio.timeout(10):
         while pings < 3:
@@ -291,8 +292,20 @@ async def test_processes_reload_and_notify_as_one(fake_worker, gateway_process):
     b = await fake_worker(models="m")
     gp = gateway_process([a])
     gp.config_path.write_text("processes = 2\n" + gp.config_path.read_text())
-    ready = await gp.start(WATCHDOG_USEC="1000000")
+    ready = await gp.start(watchdog_pid=True, WATCHDOG_USEC="400000")
     assert ready == {"READY": "1", "STATUS": "2 processes ready"}
+    # The supervisor pings systemd's watchdog (every 0.2 s) only while both processes ping
+    # it: over 1.6 s, well past the 0.4 s period, the pings go on.
+    pings = 0
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 1.6
+    while (left := end - loop.time()) > 0:
+        try:
+            msg = await gp.notification(timeout=left, skip_watchdog=False)
+        except TimeoutError:
+            break
+        pings += msg == {"WATCHDOG": "1"}
+    assert pings >= 4
 
     async def served_by_b(n: int) -> int:
         before = sum(1 for r in b.stats.requests if r.path == "/v1/completions")
