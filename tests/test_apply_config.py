@@ -130,3 +130,27 @@ async def test_access_log_switched_by_reload(fake_worker, gateway):
         dataclasses.replace(g.config, log=dataclasses.replace(g.config.log, access_log=False)),
     )
     assert g.access_log is None and len(hooks) == n
+
+
+async def test_breaker_aliases_and_admin_token_follow_a_reload(fake_worker, gateway, http):
+    from vllm_gateway.config import AdminConfig, BreakerConfig
+
+    gw = await gateway([await fake_worker(models="m")])
+    g = gw.app[GATEWAY]
+    new = dataclasses.replace(
+        g.config,
+        breaker=BreakerConfig(failures=9),
+        aliases={"friendly": {"m": 1.0}},
+        admin=AdminConfig(token="rotated"),
+    )
+    changes = apply_config(gw.app, new)
+    assert {"breaker settings changed", "aliases changed", "admin settings changed"} <= set(changes)
+    assert g.breaker.config.failures == 9
+    body = {"model": "friendly", "prompt": "x", "max_tokens": 1}
+    async with http.post(gw.url + "/v1/completions", json=body) as r:
+        assert r.status == 200  # the alias resolves to m
+    async with http.get(gw.url + "/admin/workers") as r:
+        assert r.status == 401
+    headers = {"Authorization": "Bearer rotated"}
+    async with http.get(gw.url + "/admin/workers", headers=headers) as r:
+        assert r.status == 200
