@@ -10,7 +10,7 @@ re-framed for a chunked response). The relay's task sleeps until the exchange en
 times out or must wait for a slow client; it is not woken per chunk.
 
     conn.send(head, body)                 the request bytes, written at once
-    await conn.wait_head(deadline)        status, reason, headers; body bytes may follow
+    await conn.wait_head(limit)           status, reason, headers; body bytes may follow
     conn.attach(transport, chunked=...)   from now on body bytes go to the client
     await conn.wait_body(idle, total_at)  True at the end; False: paused for backpressure
 
@@ -49,8 +49,10 @@ class UpstreamConnection(asyncio.Protocol):
 
     __slots__ = (
         "_held",
+        "_idle",
         "_loop",
         "_timer",
+        "_total_at",
         "_waiter",
         "body_bytes",
         "busy",
@@ -89,6 +91,8 @@ class UpstreamConnection(asyncio.Protocol):
         # The pool's idle set for this worker while the connection sits in it.
         self.pool_idle: dict[UpstreamConnection, None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._idle = 0.0  # the body phase's limits (seconds; loop time), see wait_body
+        self._total_at: float | None = None
         self._waiter: asyncio.Future[None] | None = None
         # One parser for the connection's life: llhttp resets itself between messages, and
         # a connection whose parser failed is closed, never reused.
@@ -202,12 +206,12 @@ class UpstreamConnection(asyncio.Protocol):
         else:
             transport.writelines((head, body))
 
-    async def wait_head(self, deadline: float | None) -> None:
-        """Wait for the status line and headers (or an error), until `deadline` (loop time)."""
+    async def wait_head(self, limit: float | None) -> None:
+        """Wait for the status line and headers (or an error), at most `limit` seconds."""
         if self.status or self.error:
             return
-        if deadline is not None:
-            self._timer = self._loop.call_at(deadline, self._head_timeout)
+        if limit is not None:
+            self._timer = self._loop.call_later(limit, self._head_timeout)
         try:
             while not self.status and self.error is None:
                 await self._wait()
@@ -336,26 +340,30 @@ class UpstreamConnection(asyncio.Protocol):
 
     def _arm_body_timer(self, idle: float, total_at: float | None) -> None:
         # One timer for the whole body, not one per chunk: when it fires, it checks how
-        # long the worker has really been silent and re-arms for what is left.
-        def fire() -> None:
-            self._timer = None
-            if self.complete or self.error is not None:
-                return
-            now = self._loop.time()
-            if total_at is not None and now >= total_at:
-                self.error = (TIMEOUT, "total")
-            elif idle and now >= self.last_data + idle:
-                self.error = (TIMEOUT, "idle")
-            else:
-                at = self.last_data + idle if idle else now + 3600.0
-                if total_at is not None:
-                    at = min(at, total_at)
-                self._timer = self._loop.call_at(at, fire)
-                return
-            self._wake()
-
+        # long the worker has really been silent and re-arms for what is left. A bound
+        # method and two slots, not a closure: this lives as long as the stream.
+        self._idle = idle
+        self._total_at = total_at
         at = (self.last_data or self._loop.time()) + idle if idle else None
         if total_at is not None:
             at = total_at if at is None else min(at, total_at)
         if at is not None:
-            self._timer = self._loop.call_at(at, fire)
+            self._timer = self._loop.call_at(at, self._body_timer_fired)
+
+    def _body_timer_fired(self) -> None:
+        self._timer = None
+        if self.complete or self.error is not None:
+            return
+        idle, total_at = self._idle, self._total_at
+        now = self._loop.time()
+        if total_at is not None and now >= total_at:
+            self.error = (TIMEOUT, "total")
+        elif idle and now >= self.last_data + idle:
+            self.error = (TIMEOUT, "idle")
+        else:
+            at = self.last_data + idle if idle else now + 3600.0
+            if total_at is not None:
+                at = min(at, total_at)
+            self._timer = self._loop.call_at(at, self._body_timer_fired)
+            return
+        self._wake()

@@ -189,8 +189,7 @@ class Relay:
                 info.body,
             )
             limit = _within(t.first_byte, t.total, lease.started)
-            deadline = None if limit is None else asyncio.get_running_loop().time() + limit
-            await conn.wait_head(deadline)
+            await conn.wait_head(limit)
         except BaseException:
             conn.close()
             raise
@@ -221,6 +220,7 @@ class Relay:
                 reason=conn.reason.decode("latin-1") or None,
                 headers=client_headers(conn.headers, lease.info.request_id),
             )
+            conn.headers.clear()  # copied: do not hold them for the stream's life
             if conn.complete and _ended_well(lease, conn):
                 # The whole answer is here: one write for head and body.
                 body = conn.body_so_far()

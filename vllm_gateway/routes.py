@@ -201,6 +201,10 @@ class Routes:
                 f"The request body is {length} bytes; the limit is {self.max_body_bytes}."
             )
         try:
+            if request.content.is_eof():
+                # The whole body is already here (the common case): nothing to time, and
+                # no timer to arm and cancel on the hot path.
+                return await request.read()
             async with asyncio.timeout(self.body_timeout):
                 return await request.read()
         except TimeoutError:
