@@ -21,8 +21,10 @@ from vllm_gateway.access_log import AccessLog
 from vllm_gateway.admin import AdminApi
 from vllm_gateway.aliases import AliasTable, check_alias
 from vllm_gateway.auth import ClientKeys
+from vllm_gateway.autoscale import Autoscaler
 from vllm_gateway.breaker import CircuitBreaker
 from vllm_gateway.config import GatewayConfig, normalize_url
+from vllm_gateway.discovery import DnsDiscovery
 from vllm_gateway.dispatch import Dispatcher, Lease
 from vllm_gateway.errors import ConfigError, GatewayError
 from vllm_gateway.fleet import Fleet
@@ -51,6 +53,8 @@ BREAKER = web.AppKey("breaker", CircuitBreaker)
 FLEET = web.AppKey("fleet", Fleet)
 ALIASES = web.AppKey("aliases", AliasTable)
 REGISTRATION = web.AppKey("registration", Registration)
+AUTOSCALER = web.AppKey("autoscaler", Autoscaler)
+DISCOVERY = web.AppKey("discovery", DnsDiscovery)
 
 log = get_logger("vllm_gateway.app")
 
@@ -93,6 +97,8 @@ class Gateway:
     metrics: RequestMetrics
     reloads: ReloadCounters
     status: StatusViews
+    autoscaler: Autoscaler
+    discovery: DnsDiscovery
     keys: ClientKeys | None = None  # client API keys (auth.py)
     access_log: AccessLog | None = None
     # routes.ERROR_HOOKS of this app: called for each error the gateway answers itself.
@@ -139,6 +145,7 @@ def check_app_config(config: GatewayConfig) -> None:
     for name, targets in config.aliases.items():
         if problem := check_alias(name, targets):
             problems.append(f"aliases.{name}: {problem}")
+    problems.extend(check_scale_rules(config))
     if problems:
         raise ConfigError(problems)
 
@@ -192,12 +199,15 @@ def create_app(
     fleet = Fleet(registry, prober, breaker)
     aliases = AliasTable(registry, config.aliases, rng)
     registration = Registration(fleet, dispatcher, aliases, config.registration)
+    autoscaler = Autoscaler(registry, config.autoscale, process_index=process_index)
+    discovery = DnsDiscovery(fleet, config.discovery)
     admin = AdminApi(
         fleet,
         aliases,
         config.admin.token,
         config.admin.drain_timeout,
         describers=[registration.describe],
+        scale_view=autoscaler.view,
     )
     metrics = RequestMetrics()
     reloads = ReloadCounters()
@@ -210,6 +220,7 @@ def create_app(
         body_timeout=config.client.body_timeout,
     )
     status = StatusViews(config, metrics, registry, dispatcher, scraper, reloads, time.time())
+    status.autoscaler, status.registration = autoscaler, registration
 
     siblings = None
     middlewares = [error_middleware, keys.middleware]
@@ -237,6 +248,8 @@ def create_app(
         metrics,
         reloads,
         status,
+        autoscaler,
+        discovery,
         keys=keys,
     )
     app[CONFIG] = config
@@ -249,6 +262,8 @@ def create_app(
     app[FLEET] = fleet
     app[ALIASES] = aliases
     app[REGISTRATION] = registration
+    app[AUTOSCALER] = autoscaler
+    app[DISCOVERY] = discovery
     app[GATEWAY] = gateway
     app[ERROR_HOOKS] = gateway.error_hooks
     routes.add_to(app)
@@ -280,7 +295,11 @@ def create_app(
             if process_index == 0:
                 _warn_if_registration_open(config)
             await registration.start()
+        await discovery.start()
+        await autoscaler.start()
         yield
+        await autoscaler.stop()
+        await discovery.stop()
         await registration.stop()
         breaker.stop()
 
@@ -296,6 +315,23 @@ def create_app(
 
         app.cleanup_ctx.append(siblings_ctx)
     return app
+
+
+def check_scale_rules(config: GatewayConfig) -> list[str]:
+    """Autoscale rules whose bounds or commands cannot work."""
+    problems = []
+    for model, rule in config.autoscale.models.items():
+        where = f'autoscale.models."{model}"'
+        if rule.max_workers < rule.min_workers:
+            problems.append(f"{where}: max_workers is below min_workers")
+        for key in ("scale_up_command", "scale_down_command"):
+            try:
+                getattr(rule, key).format(model=model, index=1, count=1)
+            except (KeyError, IndexError, ValueError) as e:
+                problems.append(
+                    f"{where}.{key}: {e!r}; the placeholders are {{model}} {{index}} {{count}}"
+                )
+    return problems
 
 
 def _warn_if_registration_open(config: GatewayConfig) -> None:
@@ -366,6 +402,12 @@ def apply_config(app: web.Application, new: GatewayConfig) -> list[str]:
     if new.client.body_timeout != old.client.body_timeout:
         g.routes.body_timeout = new.client.body_timeout
         changes.append(f"client.body_timeout: {new.client.body_timeout:g} s")
+    if new.autoscale != old.autoscale:
+        g.autoscaler.config = new.autoscale
+        changes.append("autoscale settings changed")
+    if new.discovery != old.discovery:
+        g.discovery.configure(new.discovery)
+        changes.append("discovery settings changed")
     if new.lifecycle != old.lifecycle:
         changes.append("lifecycle settings changed")  # read when the next stop begins
     for key in RESTART_ONLY:

@@ -360,6 +360,129 @@ class RegistrationConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ScaleRule:
+    """How the autoscaler treats one model: a `[autoscale.models."NAME"]` table."""
+
+    min_workers: int = setting(1, "Fewest workers the autoscaler keeps for the model.", minimum=0)
+    max_workers: int = setting(4, "Most workers the autoscaler starts for the model.", minimum=1)
+    target_per_worker: float = setting(
+        0.0,
+        "Demand one worker should carry; 0: `autoscale.target_per_worker`.",
+        unit="requests",
+        minimum=0.0,
+    )
+    scale_up_command: str = setting(
+        "",
+        "Shell command that starts one more worker, e.g. `systemctl start vllm@{index}`; "
+        "{model}, {index} (the worker count after it) and {count} (before it) are filled in.",
+    )
+    scale_down_command: str = setting(
+        "",
+        "Shell command that stops one worker gracefully (its register agent drains it), "
+        "e.g. `systemctl stop vllm@{index}`; {index} is the worker count before it.",
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscaleConfig:
+    """Per-model demand, the desired worker count, and optional scale commands."""
+
+    enabled: bool = setting(
+        False,
+        "Run the models' scale commands (in process 0 only). Off: demand and desired "
+        "counts are still computed, for /admin/scale and /metrics (KEDA, an HPA).",
+    )
+    dry_run: bool = setting(False, "Log the scale commands instead of running them.")
+    interval: float = setting(
+        5.0, "Time between two evaluations of every model.", unit="seconds", minimum=0.05
+    )
+    target_per_worker: float = setting(
+        32.0,
+        "Demand (requests running and waiting in vLLM or in flight, plus those queued in "
+        "the gateway) one worker should carry: desired workers = ceil(demand / this).",
+        unit="requests",
+        minimum=0.1,
+    )
+    scale_down_below: float = setting(
+        0.7,
+        "Hysteresis: a worker is taken away only when the demand fits on one fewer worker "
+        "at this fraction of target_per_worker.",
+        minimum=0.05,
+        maximum=1.0,
+    )
+    queue_wait_up: float = setting(
+        5.0,
+        "A request waiting this long in the admission queue asks for one more worker, "
+        "whatever the counts say. 0: off.",
+        unit="seconds",
+        minimum=0.0,
+    )
+    cooldown: float = setting(
+        60.0,
+        "After a scale command, no other one for that model for this long.",
+        unit="seconds",
+        minimum=0.0,
+    )
+    scale_up_window: float = setting(
+        15.0,
+        "Scale up only to the lowest desired count seen over this window, so one noisy "
+        "reading (a burst between two scrapes) does not start a worker.",
+        unit="seconds",
+        minimum=0.0,
+    )
+    scale_down_window: float = setting(
+        300.0,
+        "Scale down only to the highest desired count seen over this window (as an HPA's "
+        "stabilization window), so a lull does not flap the fleet.",
+        unit="seconds",
+        minimum=0.0,
+    )
+    startup_grace: float = setting(
+        600.0,
+        "Workers a scale-up command started count as present for this long while they "
+        "load and register.",
+        unit="seconds",
+        minimum=0.0,
+    )
+    command_timeout: float = setting(
+        120.0, "Longest a scale command may run.", unit="seconds", minimum=0.1
+    )
+    # setting() turns a dict default into a default_factory, so no instance shares it.
+    models: dict[str, ScaleRule] = setting(  # noqa: RUF009
+        {}, 'Per-model rules: `[autoscale.models."NAME"]` tables, keyed by model name.'
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DnsName:
+    """A DNS name whose addresses are workers: a `[[discovery.dns]]` table."""
+
+    url: str = setting(
+        "",
+        "Worker URL with a host name, e.g. http://vllm.default.svc.cluster.local:8000 (a "
+        "Kubernetes headless Service): every address it resolves to is a worker.",
+    )
+    family: str = setting("any", "Address family to use.", choices=("any", "ipv4", "ipv6"))
+    models: tuple[str, ...] = setting(
+        (), "Model names pinned for these workers. Empty: learned from their /v1/models."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """Workers found in DNS, re-resolved on a period."""
+
+    interval: float = setting(
+        10.0, "Time between two resolutions of each name.", unit="seconds", minimum=0.05
+    )
+    dns: tuple[DnsName, ...] = setting(
+        (),
+        "DNS names that resolve to workers: `[[discovery.dns]]` tables; URLs, "
+        "comma-separated, in the environment.",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class TelemetryConfig:
     """The gateway's own metrics and status page (changes take effect at restart)."""
 
@@ -419,6 +542,8 @@ class GatewayConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     registration: RegistrationConfig = field(default_factory=RegistrationConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     # setting() turns a dict default into a default_factory, so no instance shares it.
     models: dict[str, ModelConfig] = setting(  # noqa: RUF009
         {}, 'Per-model settings: `[models."NAME"]` tables in TOML, keyed by model name.'

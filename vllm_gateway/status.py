@@ -14,6 +14,7 @@ import importlib.resources
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
@@ -34,6 +35,10 @@ from vllm_gateway.telemetry import (
 )
 from vllm_gateway.workers import WorkerRegistry, WorkerState
 
+if TYPE_CHECKING:
+    from vllm_gateway.autoscale import Autoscaler
+    from vllm_gateway.registration import Registration
+
 
 @dataclass
 class StatusViews:
@@ -50,6 +55,8 @@ class StatusViews:
     # With --processes N: this process's index and its siblings, whose views are merged in.
     process: int | None = None
     siblings: Siblings | None = None
+    autoscaler: Autoscaler | None = None
+    registration: Registration | None = None
 
     def add_to(self, app: web.Application, *, metrics: bool, page: bool) -> None:
         if metrics:
@@ -71,6 +78,8 @@ class StatusViews:
             self.reloads,
             self.started,
             self.process,
+            self.autoscaler,
+            self.registration,
         )
         if self.siblings is not None and not self.siblings.asked_by_sibling(request):
             others = await self.siblings.collect(request)

@@ -18,12 +18,17 @@ import os
 import time
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from vllm_gateway import __version__
 from vllm_gateway.dispatch import Dispatcher, Lease
 from vllm_gateway.errors import GatewayError
 from vllm_gateway.scrape import Scraper
 from vllm_gateway.workers import Circuit, WorkerRegistry, WorkerState
+
+if TYPE_CHECKING:  # read at scrape time only; they are built above this module
+    from vllm_gateway.autoscale import Autoscaler
+    from vllm_gateway.registration import Registration
 
 # Time to first byte: from dispatch to the first body byte relayed (prefill plus queueing).
 TTFB_BUCKETS = (
@@ -169,6 +174,8 @@ def render(
     reloads: ReloadCounters,
     started: float,
     process: int | None = None,
+    autoscaler: Autoscaler | None = None,
+    registration: Registration | None = None,
 ) -> str:
     """The whole /metrics document. `started` is the process start, in Unix seconds;
     `process` (with --processes N) labels every sample with the process's index."""
@@ -284,6 +291,8 @@ def render(
         age = max(0.0, now - worker.stats.at)  # type: ignore[union-attr]
         w.sample(p + "worker_stats_age_seconds", round(age, 3), (("worker", worker.url),))
 
+    _fleet_metrics(w, autoscaler, registration)
+
     # --- configuration reloads ---
     w.family(p + "config_reloads_total", "counter", "Configuration reloads (SIGHUP), by result.")
     w.sample(p + "config_reloads_total", reloads.succeeded, (("result", "success"),))
@@ -303,6 +312,52 @@ def render(
 
     _process_metrics(w)
     return w.text()
+
+
+def _fleet_metrics(
+    w: _Writer,
+    autoscaler: Autoscaler | None,
+    registration: Registration | None,
+) -> None:
+    """Registration and the autoscaler: expirations, refusals, demand, desired count."""
+    p = "vllm_gateway_"
+    if registration is not None:
+        w.family(
+            p + "heartbeat_expirations_total",
+            "counter",
+            "Registered workers removed because their heartbeats stopped.",
+        )
+        w.sample(p + "heartbeat_expirations_total", registration.expired)
+        w.family(
+            p + "registrations_refused_total",
+            "counter",
+            "Registration requests refused (no or wrong token, worker outside the networks).",
+        )
+        w.sample(p + "registrations_refused_total", registration.refused)
+    if autoscaler is None:
+        return
+    signals = sorted(autoscaler.signals.items())
+    for name, attr, help_ in (
+        (
+            "model_demand",
+            "demand",
+            "Requests running, waiting or in flight on the model's workers, plus those queued "
+            "in the gateway (the autoscaler's demand).",
+        ),
+        (
+            "model_desired_workers",
+            "desired",
+            "Workers the model should have for its demand (within its autoscale bounds).",
+        ),
+        ("model_workers", "workers", "Ready or joining workers serving the model."),
+    ):
+        w.family(p + name, "gauge", help_)
+        for model, demand in signals:
+            w.sample(p + name, getattr(demand, attr), (("model", model),))
+    w.family(p + "autoscale_commands_total", "counter", "Scale commands run, by result.")
+    failed = autoscaler.command_failures
+    w.sample(p + "autoscale_commands_total", autoscaler.commands_run - failed, (("result", "ok"),))
+    w.sample(p + "autoscale_commands_total", failed, (("result", "failed"),))
 
 
 def _process_metrics(w: _Writer) -> None:
