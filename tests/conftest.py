@@ -27,6 +27,11 @@ from vllm_gateway.server import RunningServer, start_server
 FAST_PROBES = ProbeConfig(
     interval=0.1, timeout=0.5, healthy_after=1, unhealthy_after=1, startup_wait=2.0
 )
+# For tests under sustained load on a busy machine: one slow probe does not take a worker
+# out, three failed ones (0.6 s when connections are refused) do.
+STEADY_PROBES = ProbeConfig(
+    interval=0.2, timeout=2.0, healthy_after=1, unhealthy_after=3, startup_wait=2.0
+)
 
 
 @pytest.fixture

@@ -42,6 +42,18 @@ async def start_agent(gateway_url: str, worker_url: str, *extra: str):
     )
 
 
+async def read_until(agent, event: str, timeout: float = 15) -> bytes:
+    """The agent's log lines up to and including the first one for `event`."""
+    seen = b""
+    async with asyncio.timeout(timeout):
+        while True:
+            line = await agent.stderr.readline()
+            assert line, f"the agent ended before logging {event!r}: {seen.decode()}"
+            seen += line
+            if line.startswith(b"{") and orjson.loads(line).get("event") == event:
+                return seen
+
+
 def events(stderr: bytes) -> list[dict]:
     return [orjson.loads(line) for line in stderr.splitlines() if line.startswith(b"{")]
 
@@ -103,7 +115,7 @@ async def test_agent_waits_for_the_worker_and_registers_again_after_a_gateway_re
     gw = await gateway([], registration=RegistrationConfig(token=TOKEN))
     agent = await start_agent(gw.url, w.url)
     try:
-        await asyncio.sleep(0.8)
+        before = await read_until(agent, "waiting for the worker to become healthy")
         assert len(gw.app[REGISTRY]) == 0
         await w.resume()
         await wait_until(lambda: gw.app[REGISTRY].get(w.url) is not None, timeout=15)
@@ -114,8 +126,7 @@ async def test_agent_waits_for_the_worker_and_registers_again_after_a_gateway_re
         agent.send_signal(signal.SIGINT)
         _, stderr = await asyncio.wait_for(agent.communicate(), timeout=10)
         assert agent.returncode == 0
-        names = [e["event"] for e in events(stderr)]
-        assert "waiting for the worker to become healthy" in names
+        names = [e["event"] for e in events(before + stderr)]
         assert "gateway forgot the worker (restarted?); registering again" in names
         assert names.count("registered") == 2
     finally:

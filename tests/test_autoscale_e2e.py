@@ -11,6 +11,7 @@ import openai
 import pytest
 from aiohttp import web
 
+from tests.conftest import STEADY_PROBES
 from vllm_gateway.app import AUTOSCALER, REGISTRY
 from vllm_gateway.config import AdminConfig, AutoscaleConfig, ScaleRule, ScrapeConfig
 from vllm_gateway.fake_worker import FakeWorker, FakeWorkerConfig
@@ -129,6 +130,7 @@ async def test_autoscaler_follows_a_demand_ramp_within_bounds_without_flapping(
     first = await fake_worker(**vars(WORKER))  # index 1: always there (the minimum)
     gw = await gateway(
         [first],
+        probe=STEADY_PROBES,
         admin=AdminConfig(token=TOKEN),
         scrape=ScrapeConfig(interval=0.1),
         autoscale=AutoscaleConfig(

@@ -8,7 +8,7 @@ import time
 import openai
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import STEADY_PROBES, wait_until
 from vllm_gateway.admin_client import AdminClient
 from vllm_gateway.app import REGISTRY
 from vllm_gateway.config import AdminConfig, BreakerConfig
@@ -36,7 +36,7 @@ def requests_to(worker) -> int:
 async def test_drained_worker_gets_nothing_new_and_its_streams_finish(fake_worker, gateway, client):
     w1 = await fake_worker(models="m", tpot_ms=25, ttft_ms=1)
     w2 = await fake_worker(models="m", tpot_ms=25, ttft_ms=1)
-    gw = await gateway([w1, w2], admin=ADMIN)
+    gw = await gateway([w1, w2], admin=ADMIN, probe=STEADY_PROBES)
     c = client(gw)
     registry = gw.app[REGISTRY]
 
@@ -90,7 +90,9 @@ async def test_worker_killed_under_load_goes_unhealthy_and_unstarted_requests_re
 ):
     workers = [await fake_worker(models="m", tpot_ms=20, ttft_ms=1) for _ in range(3)]
     victim = workers[0]
-    gw = await gateway(workers, breaker=BreakerConfig(failures=3, open_seconds=30))
+    gw = await gateway(
+        workers, breaker=BreakerConfig(failures=3, open_seconds=30), probe=STEADY_PROBES
+    )
     c = client(gw)
     registry = gw.app[REGISTRY]
     outcomes: list[tuple[float, str]] = []  # (when the request began, how it ended)

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from tests.conftest import STEADY_PROBES
 from vllm_gateway.access import AllowedNetworks
 from vllm_gateway.app import REGISTRATION, REGISTRY
 from vllm_gateway.config import PRIVATE_NETWORKS, RegistrationConfig
@@ -24,7 +25,7 @@ async def post(http, gw, path: str, body: dict, token: str | None = None):
 
 async def test_registered_worker_serves_traffic_within_a_second(fake_worker, gateway, client, http):
     w = await fake_worker(models=("m",), lora_adapters=("m-lora",))
-    gw = await gateway([])
+    gw = await gateway([], probe=STEADY_PROBES)
     c = client(gw)
     started = time.monotonic()
     # FastChat's model_worker sends exactly this shape.

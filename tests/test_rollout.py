@@ -12,7 +12,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from tests.conftest import wait_until
+from tests.conftest import STEADY_PROBES, wait_until
 from vllm_gateway.app import REGISTRY
 from vllm_gateway.config import AdminConfig
 from vllm_gateway.fake_worker import FakeWorker, FakeWorkerConfig
@@ -90,7 +90,9 @@ async def test_rollout_replaces_every_worker_under_streaming_load_with_no_failed
     fake_worker, gateway, client, http
 ):
     old = [await fake_worker(models="m-v1", tpot_ms=10, ttft_ms=2) for _ in range(3)]
-    gw = await gateway(old, admin=AdminConfig(token=TOKEN), aliases={"m": {"m-v1": 1}})
+    gw = await gateway(
+        old, admin=AdminConfig(token=TOKEN), aliases={"m": {"m-v1": 1}}, probe=STEADY_PROBES
+    )
     registry = gw.app[REGISTRY]
     new: list[FakeWorker] = []
 
@@ -169,7 +171,7 @@ async def test_rollout_with_a_command_restarting_in_place_and_its_abort(
     control = web.Application()
     control.router.add_post("/restart", restart)
     ctl = await start_server(control, "127.0.0.1", 0)
-    gw = await gateway(old, admin=AdminConfig(token=TOKEN))
+    gw = await gateway(old, admin=AdminConfig(token=TOKEN), probe=STEADY_PROBES)
     registry = gw.app[REGISTRY]
     call = (
         f'{sys.executable} -c "import sys, urllib.request as u; '
