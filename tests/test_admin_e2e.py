@@ -9,6 +9,7 @@ import openai
 import orjson
 import pytest
 
+from tests.conftest import STEADY_PROBES
 from vllm_gateway.admin_client import AdminClient, AdminError
 from vllm_gateway.app import REGISTRY
 from vllm_gateway.config import AdminConfig
@@ -83,7 +84,10 @@ async def test_weighted_split_rewrites_the_model_and_skips_unavailable_targets(
 ):
     v1 = await fake_worker(models="llama-v1", tpot_ms=1, ttft_ms=1)
     v2 = await fake_worker(models="llama-v2", tpot_ms=1, ttft_ms=1)
-    gw = await gateway([v1, v2], admin=ADMIN, aliases={"llama": {"llama-v1": 1}})
+    # 200 requests at once: one slow probe on a busy machine must not take a worker out.
+    gw = await gateway(
+        [v1, v2], admin=ADMIN, aliases={"llama": {"llama-v1": 1}}, probe=STEADY_PROBES
+    )
     c = client(gw)
     ids = [m.id for m in (await c.models.list()).data]
     assert ids == ["llama", "llama-v1", "llama-v2"]
