@@ -118,10 +118,20 @@ def find_router(args: argparse.Namespace) -> str | None:
     return None
 
 
+# "lean": vllm-router doing the least it can (the fairest relay-only comparison);
+# "default": as `vllm-router --worker-urls ...` runs out of the box (cache_aware policy,
+# retries and circuit breaker on), as the gateway runs with its own defaults.
+ROUTER_FLAGS = {
+    "lean": ["--policy", "round_robin", "--disable-retries", "--disable-circuit-breaker"],
+    "default": [],
+}
+ROUTER_MODE = "lean"
+
+
 def start_router(binary: str, backend: str) -> tuple[Proc, str]:
     port = free_port()
-    cmd = [binary, "--worker-urls", backend, "--port", str(port), "--policy", "round_robin"]
-    cmd += ["--log-level", "warning", "--disable-retries", "--disable-circuit-breaker"]
+    cmd = [binary, "--worker-urls", backend, "--port", str(port), *ROUTER_FLAGS[ROUTER_MODE]]
+    cmd += ["--log-level", "warning"]
     proc = Proc("vllm-router", cmd, str(OUT / "vllm-router.log"))
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", 60, proc)
@@ -510,6 +520,13 @@ def main(argv: list[str]) -> None:
     p.add_argument("--router", help="vllm-router executable (default: bench-out venv or PATH)")
     p.add_argument("--no-router", action="store_true", help="skip vllm-router")
     p.add_argument(
+        "--router-mode",
+        choices=sorted(ROUTER_FLAGS),
+        default="lean",
+        help="lean: round_robin, no retries, no circuit breaker (default); "
+        "default: vllm-router's own defaults (cache_aware policy, retries, breaker)",
+    )
+    p.add_argument(
         "--wrk",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -523,6 +540,8 @@ def main(argv: list[str]) -> None:
     )
     p.add_argument("--json", help="also write every run's figures to this file")
     args = p.parse_args(argv)
+    global ROUTER_MODE
+    ROUTER_MODE = args.router_mode
     if args.wrk is None:
         args.wrk = shutil.which("wrk") is not None
     modes = list(MODES) if "all" in args.modes else args.modes
@@ -534,6 +553,7 @@ def main(argv: list[str]) -> None:
         f"load: {'wrk' if args.wrk else 'built-in'}, "
         f"requests backend: {'nginx' if args.nginx and shutil.which('nginx') else 'python'}, "
         f"vllm-router: {router_bin or 'not installed (pip install vllm-router)'}"
+        f"{f' ({ROUTER_MODE} flags)' if router_bin else ''}"
     )
     started = time.monotonic()
     results = {}
