@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.conftest import STEADY_PROBES
+from tests.conftest import STEADY_PROBES, wait_until
 from vllm_gateway.access import AllowedNetworks
 from vllm_gateway.app import REGISTRATION, REGISTRY
 from vllm_gateway.config import PRIVATE_NETWORKS, RegistrationConfig
@@ -231,3 +231,21 @@ async def test_agent_paths_drain_and_unregister(fake_worker, gateway, http):
 async def test_default_allowed_networks(url, allowed):
     problem = await AllowedNetworks(PRIVATE_NETWORKS).check(url)
     assert (problem is None) is allowed, problem
+
+
+async def test_models_loaded_at_run_time_appear_after_a_probe(fake_worker, gateway, client):
+    w = await fake_worker(models="base")
+    gw = await gateway([w])  # probes every 0.1 s
+    c = client(gw)
+    assert [m.id for m in (await c.models.list()).data] == ["base"]
+    # The server now lists a LoRA adapter (vLLM: POST /v1/load_lora_adapter); the fake
+    # stands in by restarting on the same port with the adapter configured.
+    port = w.port
+    await w.stop()
+    again = await fake_worker(models=("base",), lora_adapters=("sql-lora",))
+    await again.stop()
+    await again.start(port=port)
+    registry = gw.app[REGISTRY]
+    await wait_until(lambda: "sql-lora" in registry.ready_models(), timeout=5)
+    answer = await c.completions.create(model="sql-lora", prompt="x", max_tokens=1)
+    assert answer.model == "sql-lora"
