@@ -140,3 +140,14 @@ async def test_unknown_alias_target_is_a_404_naming_models(fake_worker, gateway,
     with pytest.raises(openai.NotFoundError):
         await client(gw).completions.create(model="x", prompt="x", max_tokens=1)
     assert gw.app[REGISTRY].get(w.url).completed == 0
+
+
+def test_check_config_masks_the_control_tokens():
+    from vllm_gateway.config import effective_toml, load_config
+
+    env = {
+        "VLLM_GATEWAY_ADMIN_TOKEN": "adm-s3cr3t",
+        "VLLM_GATEWAY_REGISTRATION_TOKEN": "reg-s3cr3t",
+    }
+    text = effective_toml(load_config(None, env=env))
+    assert "s3cr3t" not in text and text.count('token = "***"') == 2

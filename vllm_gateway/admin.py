@@ -32,7 +32,7 @@ from vllm_gateway.control_body import read_json as read_body
 from vllm_gateway.errors import BadRequest, WorkerNotFound
 from vllm_gateway.fleet import Fleet
 from vllm_gateway.routes import describe_worker, json_response
-from vllm_gateway.workers import Worker, WorkerState
+from vllm_gateway.workers import Worker
 
 WHAT = "admin API"
 
@@ -135,8 +135,6 @@ class AdminApi:
     async def drain(self, request: web.Request) -> web.Response:
         doc = await read_body(request)
         worker = self._worker(get_url(doc))
-        if worker.state is WorkerState.REMOVED:
-            raise WorkerNotFound(f"Worker {worker.url} was removed.", param="url")
         self.fleet.drain(worker)
         started = time.monotonic()
         idle = worker.inflight == 0

@@ -125,11 +125,9 @@ class Registration:
             raise BadRequest("`worker_status.model_names` must be a list of strings.")
         check = get_bool(doc, "check_heart_beat", True)
         self.heartbeats[url] = Heartbeat(time.monotonic(), check, _queue_length(status))
-        worker, new = self.registry.add(url, source="registered")
-        if new:
-            self.fleet.prober.forget(url)
-            if models:
-                self.registry.set_models(worker, models)
+        worker, new = await self.fleet.add(url, source="registered", probe=False)
+        if new and models:  # dispatchable by name at once; the probe then has the last word
+            self.registry.set_models(worker, models)
         if worker.state in (WorkerState.JOINING, WorkerState.UNHEALTHY):
             await self.fleet.probe(worker)
         return json_response(
