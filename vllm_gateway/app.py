@@ -181,7 +181,13 @@ def create_app(
         registry.add(normalize_url(spec.url), models=spec.models, weight=spec.weight)
     policy, per_model = _policies(config, rng)
     dispatcher = Dispatcher(
-        registry, policy, policy_for_model=per_model, retry=config.retry, rng=rng
+        registry,
+        policy,
+        policy_for_model=per_model,
+        retry=config.retry,
+        config=config.dispatch,
+        processes=process_count,
+        rng=rng,
     )
     pool = UpstreamPool(config.timeouts.connect)
     worker_key = config.auth.worker_api_key or None  # vLLM --api-key of the workers
@@ -360,6 +366,7 @@ def apply_config(app: web.Application, new: GatewayConfig) -> list[str]:
     changes = _apply_workers(g, new)
     if (new.policy, new.dispatch, new.models) != (old.policy, old.dispatch, old.models):
         g.dispatcher.policy, g.dispatcher.policy_for_model = _policies(new, g.dispatcher.rng)
+        g.dispatcher.configure(new.dispatch)
         if new.policy != old.policy:
             changes.append(f"policy: {old.policy} -> {new.policy}")
         if (new.dispatch, new.models) != (old.dispatch, old.models):

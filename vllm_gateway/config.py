@@ -243,6 +243,28 @@ class ScrapeConfig:
 class DispatchConfig:
     """How requests are spread over workers (docs/dispatch.md explains each knob)."""
 
+    stop_waiting: float = setting(
+        8.0,
+        "Token buckets: a worker reporting this many requests waiting in its own queue "
+        "gets no new ones; below it, each request it finishes earns "
+        "(1 - waiting / stop_waiting) tokens.",
+        unit="requests",
+        minimum=1.0,
+    )
+    max_queued: int = setting(
+        1000,
+        "Admission queue: requests that may wait in the gateway per model for a worker "
+        "with room; one more gets 429 (0: none wait).",
+        unit="requests",
+        minimum=0,
+    )
+    max_queue_wait: float = setting(
+        30.0,
+        "Admission queue: longest wait for a worker with room; then 503 (0: no limit).",
+        unit="seconds",
+        minimum=0.0,
+    )
+
     load_bound: float = setting(
         1.25,
         "session and prefix policies: a worker keeps its affine requests only while its "

@@ -252,7 +252,15 @@ class Routes:
     async def list_workers(self, request: web.Request) -> web.Response:
         """Every worker with its state, models, in-flight count and last reported load."""
         now = time.monotonic()
-        return json_response({"workers": [describe_worker(w, now) for w in self.registry]})
+        buckets = self.dispatcher.buckets
+        return json_response(
+            {
+                "workers": [
+                    describe_worker(w, now) | {"dispatch": buckets.describe(w)}
+                    for w in self.registry
+                ]
+            }
+        )
 
 
 def describe_worker(w: Worker, now: float) -> dict[str, object]:

@@ -156,8 +156,7 @@ class StatusViews:
             ],
             "models": [{"model": m, **per_model[m].to_json()} for m in sorted(per_model)],
             "workers": workers,
-            # Filled in once the admission queue exists (issue 3); the page shows "n/a".
-            "admission_queue": None,
+            "admission_queue": self.dispatcher.admission.to_json(),
         }
 
 

@@ -1,0 +1,150 @@
+"""Token buckets: tokens follow a scripted queue; pace is learned from completions."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_gateway.buckets import PROBE_HOLDOFF, Buckets
+from vllm_gateway.config import DispatchConfig
+from vllm_gateway.workers import EngineStats, Worker, WorkerRegistry, WorkerState
+
+
+def setup(stop_waiting: float = 8.0) -> tuple[WorkerRegistry, Worker, Buckets]:
+    registry = WorkerRegistry()
+    worker, _ = registry.add("http://w", models=("m",))
+    registry.set_state(worker, WorkerState.READY, "test")
+    buckets = Buckets(DispatchConfig(stop_waiting=stop_waiting))
+    registry.stats_listeners.append(buckets.on_stats)
+    return registry, worker, buckets
+
+
+def report(
+    registry: WorkerRegistry, worker: Worker, running: float, waiting: float, at: float = 0.0
+) -> None:
+    """A scrape at time `at` that saw everything the gateway sent and saw finish so far."""
+    registry.set_stats(
+        worker,
+        EngineStats(running, waiting, None, at),
+        sent=worker.sent_since_scrape,
+        finished=worker.finished_since_scrape,
+    )
+
+
+def send(worker: Worker, buckets: Buckets, n: int = 1) -> None:
+    for _ in range(n):
+        assert buckets.has_token(worker)
+        worker.inflight += 1
+        worker.sent_since_scrape += 1
+        buckets.take(worker)
+
+
+def finish(worker: Worker, buckets: Buckets, n: int = 1, seconds: float = 1.0) -> None:
+    for _ in range(n):
+        worker.inflight -= 1
+        worker.finished_since_scrape += 1
+        buckets.on_release(worker, seconds, completed=True)
+
+
+def test_tokens_follow_a_scripted_queue():
+    registry, w, b = setup(stop_waiting=8)
+    # Never scraped: nothing to go by, the bucket is open.
+    assert b.has_token(w)
+    # An empty queue, capacity not learned: full speed (open), however much is sent.
+    report(registry, w, running=10, waiting=0)
+    send(w, b, 50)
+    assert b.has_token(w) and b.describe(w)["tokens"] is None
+    # A queue: it runs all it can (its capacity is learned) and gets nothing more.
+    report(registry, w, running=60, waiting=2)
+    assert b.by_worker[w].capacity == 60 and not b.has_token(w)
+    assert b.by_worker[w].gain == pytest.approx(0.75)
+    # Each finish earns 1 - 2/8 = 0.75 token: the queue drains before more is sent.
+    tokens = b.by_worker[w].tokens
+    finish(w, b, 4)
+    assert b.by_worker[w].tokens == pytest.approx(tokens + 3.0)
+    # The queue is gone and 4 slots are free: exactly that room, no more.
+    report(registry, w, running=56, waiting=0)
+    assert b.by_worker[w].tokens == pytest.approx(4.0)
+    send(w, b, 4)
+    assert not b.has_token(w)
+    # Full without a queue, but it queued less than PROBE_HOLDOFF ago: no more.
+    report(registry, w, running=60, waiting=0, at=PROBE_HOLDOFF - 0.1)
+    assert b.by_worker[w].capacity == 60 and not b.has_token(w)
+    # Later, capacity is probed upward, 1 then 2 then 3.
+    report(registry, w, running=60, waiting=0, at=PROBE_HOLDOFF)
+    assert b.by_worker[w].capacity == 61
+    send(w, b, 1)
+    report(registry, w, running=61, waiting=0, at=PROBE_HOLDOFF + 0.25)
+    assert b.by_worker[w].capacity == 63 and b.by_worker[w].tokens == pytest.approx(2.0)
+    # At stop_waiting or more waiting: stopped; finishing requests earn nothing.
+    report(registry, w, running=61, waiting=8, at=PROBE_HOLDOFF + 0.5)
+    assert not b.has_token(w) and b.by_worker[w].gain == 0.0
+    finish(w, b, 10)
+    assert not b.has_token(w)
+    # A stale snapshot is withdrawn: open again (policies fall back to in-flight).
+    registry.set_stats(w, None)
+    assert b.has_token(w)
+
+
+def test_refill_rate_is_pace_times_gain():
+    registry, w, b = setup(stop_waiting=4)
+    report(registry, w, running=8, waiting=1)
+    finish(w, b, 20, seconds=0.5)
+    bucket = b.by_worker[w]
+    assert bucket.refill_rate == pytest.approx(bucket.completion_rate * 0.75)
+    report(registry, w, running=8, waiting=4)
+    assert bucket.refill_rate == 0.0
+
+
+def test_pace_is_learned_from_completions_and_shrugs_off_one_outlier():
+    registry, fast, b = setup()
+    slow, _ = registry.add("http://slow", models=("m",))
+    for _ in range(400):
+        finish(fast, b, seconds=1.0)
+        finish(slow, b, seconds=2.0)
+    assert fast.pace == pytest.approx(1.0) and slow.pace == pytest.approx(0.5)
+    finish(fast, b, seconds=600.0)  # one very long request
+    assert fast.pace > 0.85
+    # Answers that were not completions (errors, departures) teach nothing.
+    before = slow.pace
+    slow.inflight += 1
+    b.on_release(slow, 0.001, completed=False)
+    assert slow.pace == before
+
+
+def test_a_worker_twice_as_fast_earns_twice_the_tokens():
+    registry, a, b = setup()
+    c, _ = registry.add("http://c", models=("m",))
+    for w in (a, c):
+        report(registry, w, running=16, waiting=2)
+    start = {w: b.by_worker[w].tokens for w in (a, c)}
+    finish(a, b, 20)  # in the same time, a finishes twice as many as c
+    finish(c, b, 10)
+    earned = {w: b.by_worker[w].tokens - start[w] for w in (a, c)}
+    assert earned[a] == pytest.approx(2 * earned[c]) and earned[c] > 0
+
+
+def test_an_unreachable_worker_gets_its_token_back():
+    registry, w, b = setup()
+    report(registry, w, running=4, waiting=1)  # capacity 4, one over: -1 token
+    assert not b.has_token(w)
+    b.refund(w)
+    b.refund(w)
+    assert b.has_token(w)
+
+
+def test_buckets_of_removed_workers_are_dropped():
+    registry, w, b = setup()
+    report(registry, w, running=1, waiting=0)
+    b.forget_missing(set())
+    assert w not in b.by_worker
+
+
+def test_each_gateway_process_takes_its_share_of_the_room():
+    registry, w, _ = setup()
+    half = Buckets(DispatchConfig(), share=0.5)  # serve --processes 2
+    registry.stats_listeners[:] = [half.on_stats]
+    report(registry, w, running=10, waiting=2)  # capacity 10
+    report(registry, w, running=6, waiting=0)  # 4 free slots: 2 for this process
+    assert half.by_worker[w].tokens == pytest.approx(2.0)
+    send(w, half, 2)
+    assert not half.has_token(w)

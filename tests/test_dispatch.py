@@ -1,0 +1,211 @@
+"""Dispatch: candidates, the admission queue's order, bounds and departures, late binding."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from vllm_gateway.config import DispatchConfig
+from vllm_gateway.dispatch import CLIENT_GONE, Dispatcher
+from vllm_gateway.errors import NoWorkerAvailable, QueueFull, QueueTimeout
+from vllm_gateway.policies import POLICIES, make_policy
+from vllm_gateway.request_info import parse_request
+from vllm_gateway.workers import EngineStats, WorkerRegistry, WorkerState
+
+pytestmark = pytest.mark.timeout(10)
+
+
+def info(i: int = 0, priority: int | None = None):
+    headers = {"x-priority": str(priority)} if priority is not None else {}
+    return parse_request("/v1/completions", b'{"model": "m"}', f"r{i}", headers)
+
+
+def fleet(policy: str = "queue", states=(WorkerState.READY,), **config):
+    registry = WorkerRegistry()
+    workers = []
+    for i, state in enumerate(states):
+        w, _ = registry.add(f"http://w{i}", models=("m",))
+        registry.set_state(w, state, "test")
+        workers.append(w)
+    d = Dispatcher(registry, make_policy(policy, random.Random(0)), config=DispatchConfig(**config))
+    return registry, workers, d
+
+
+def full(registry, worker, running: float = 1, waiting: float = 1) -> None:
+    """A scrape saying `worker` runs all it can and queues more: no token left."""
+    registry.set_stats(worker, EngineStats(running, waiting, None, 0.0))
+
+
+def room(registry, worker, running: float = 0) -> None:
+    registry.set_stats(worker, EngineStats(running, 0, None, 0.0), sent=worker.sent_since_scrape)
+
+
+async def hold(d, i, order, release: asyncio.Event, **kw):
+    async with d.lease(info(i, **kw)) as lease:
+        order.append((i, lease))
+        await release.wait()
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+async def test_only_available_workers_are_picked(policy):
+    states = (WorkerState.DRAINING, WorkerState.READY, WorkerState.UNHEALTHY,
+              WorkerState.JOINING, WorkerState.READY)  # fmt: skip
+    registry, ws, d = fleet(policy, states)
+    for i in range(40):
+        async with d.lease(info(i)) as lease:
+            assert lease.worker.state is WorkerState.READY
+    assert {w.url: w.completed for w in ws} == {
+        "http://w0": 0, "http://w1": ws[1].completed, "http://w2": 0,
+        "http://w3": 0, "http://w4": ws[4].completed}  # fmt: skip
+    assert all(w.inflight == 0 for w in ws)
+    registry.set_state(ws[1], WorkerState.DRAINING, "test")
+    registry.set_state(ws[4], WorkerState.UNHEALTHY, "test")
+    with pytest.raises(NoWorkerAvailable):
+        async with d.lease(info()):
+            pass
+
+
+async def test_waiting_requests_are_bound_in_order_as_room_appears():
+    registry, (w,), d = fleet()
+    full(registry, w, running=2)  # capacity 2, 3 there: no token
+    order, release = [], asyncio.Event()
+    tasks = []
+    for i in range(4):
+        tasks.append(asyncio.create_task(hold(d, i, order, release)))
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+    assert d.admission.depth == 4 and order == []
+    room(registry, w, running=0)  # 2 free slots: the first two go
+    await asyncio.sleep(0.01)
+    assert [i for i, _ in order] == [0, 1] and d.admission.depth == 2
+    assert all(lease.waited > 0 for _, lease in order)
+    release.set()  # each release frees a slot: the rest follow in order
+    await asyncio.gather(*tasks)
+    assert [i for i, _ in order] == [0, 1, 2, 3]
+    assert d.admission.depth == 0 and d.admission.admitted == 4 and w.inflight == 0
+
+
+async def test_priority_goes_first_then_arrival_order():
+    registry, (w,), d = fleet()
+    full(registry, w)
+    order, release = [], asyncio.Event()
+    tasks = []
+    for i, prio in [(0, None), (1, 5), (2, -3), (3, None), (4, -3)]:
+        tasks.append(asyncio.create_task(hold(d, i, order, release, priority=prio)))
+        await asyncio.sleep(0)
+    await asyncio.sleep(0.01)
+    room(registry, w, running=0)  # one slot: the best waiter; each release, the next
+    await asyncio.sleep(0.01)
+    release.set()
+    await asyncio.gather(*tasks)
+    assert [i for i, _ in order] == [2, 4, 0, 3, 1]
+
+
+async def test_new_requests_do_not_overtake_waiting_ones():
+    registry, (w,), d = fleet()
+    full(registry, w)
+    order, release = [], asyncio.Event()
+    first = asyncio.create_task(hold(d, 0, order, release))
+    await asyncio.sleep(0.01)
+    d.buckets.by_worker[w].tokens = 1.0  # room for one appeared without an event
+    second = asyncio.create_task(hold(d, 1, order, release))
+    await asyncio.sleep(0.01)
+    assert [i for i, _ in order] == [0] and d.admission.depth == 1  # the newcomer waits
+    release.set()
+    await first
+    room(registry, w, running=0)
+    await second
+    assert [i for i, _ in order] == [0, 1]
+
+
+async def test_queue_length_bound_gives_queue_full():
+    registry, (w,), d = fleet(max_queued=2)
+    full(registry, w)
+    waiting = [asyncio.create_task(hold(d, i, [], asyncio.Event())) for i in range(2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(QueueFull) as e:
+        async with d.lease(info(9)):
+            pass
+    assert e.value.status == 429 and e.value.retry_after >= 1
+    assert d.admission.rejected == 1 and d.admission.depth == 2
+    for t in waiting:
+        t.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)
+    assert d.admission.depth == 0 and d.admission.abandoned == 2
+
+
+async def test_queue_wait_bound_gives_queue_timeout():
+    registry, (w,), d = fleet(max_queue_wait=0.1)
+    full(registry, w)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(QueueTimeout) as e:
+        async with d.lease(info()):
+            pass
+    assert 0.09 < loop.time() - start < 2.0
+    assert e.value.status == 503 and e.value.code == "queue_timeout"
+    assert d.admission.timed_out == 1 and d.admission.depth == 0
+
+
+async def test_a_client_that_leaves_leaves_the_queue():
+    registry, (w,), d = fleet()
+    full(registry, w)
+    order, release = [], asyncio.Event()
+    leaving = asyncio.create_task(hold(d, 0, order, release))
+    staying = asyncio.create_task(hold(d, 1, order, release))
+    await asyncio.sleep(0.01)
+    leaving.cancel()
+    await asyncio.sleep(0.01)
+    assert d.admission.depth == 1 and d.admission.abandoned == 1
+    room(registry, w, running=0)
+    await asyncio.sleep(0.01)
+    assert [i for i, _ in order] == [1]  # the one that left got nothing
+    release.set()
+    await staying
+    assert leaving.cancelled() and w.inflight == 0
+
+
+async def test_a_client_that_leaves_just_as_it_is_bound_frees_the_worker():
+    registry, (w,), d = fleet()
+    full(registry, w)
+    released = []
+    d.on_release.append(released.append)
+    task = asyncio.create_task(hold(d, 0, [], asyncio.Event()))
+    await asyncio.sleep(0.01)
+    room(registry, w, running=0)  # binds the waiter synchronously ...
+    assert w.inflight == 1
+    task.cancel()  # ... and the client leaves before the task resumes
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert w.inflight == 0 and [lease.outcome for lease in released] == [CLIENT_GONE]
+
+
+async def test_registry_changes_wake_the_queue():
+    registry, (a, b), d = fleet(states=(WorkerState.READY, WorkerState.JOINING))
+    full(registry, a)
+    order, release = [], asyncio.Event()
+    task = asyncio.create_task(hold(d, 0, order, release))
+    await asyncio.sleep(0.01)
+    registry.set_state(b, WorkerState.READY, "probe passed")  # a worker with room appears
+    await asyncio.sleep(0.01)
+    assert order and order[0][1].worker is b
+    release.set()
+    await task
+    # Every worker gone while requests wait: they get 503 at once, not at the timeout.
+    full(registry, b)
+    waiting = asyncio.create_task(hold(d, 1, [], asyncio.Event()))
+    await asyncio.sleep(0.01)
+    registry.set_state(a, WorkerState.UNHEALTHY, "probe failed")
+    registry.set_state(b, WorkerState.DRAINING, "admin")
+    with pytest.raises(NoWorkerAvailable):
+        await waiting
+
+
+async def test_load_blind_policies_never_queue():
+    registry, (w,), d = fleet("round_robin")
+    full(registry, w, running=5, waiting=50)
+    async with d.lease(info()) as lease:
+        assert lease.worker is w
+    assert d.admission.admitted == 0

@@ -1,0 +1,187 @@
+"""Queue-aware dispatch end to end: real sockets, fake vLLM workers, the gateway's queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from tests.conftest import wait_until
+from vllm_gateway.app import DISPATCHER
+from vllm_gateway.config import DispatchConfig, ModelConfig, ScrapeConfig
+
+pytestmark = pytest.mark.timeout(40)
+
+FAST_SCRAPES = ScrapeConfig(interval=0.05, timeout=0.5, stale_after=1.0)
+
+
+def completion(max_tokens: int, stream: bool = True) -> dict:
+    return {"model": "m", "prompt": "x", "max_tokens": max_tokens, "stream": stream}
+
+
+async def test_a_slow_worker_gets_no_new_requests_within_a_second(fake_worker, gateway, http):
+    ws = [await fake_worker(models="m", ttft_ms=5, tpot_ms=5, max_num_seqs=4) for _ in range(3)]
+    gw = await gateway(ws, scrape=FAST_SCRAPES)
+    stop = asyncio.Event()
+
+    async def client_loop() -> None:
+        while not stop.is_set():
+            async with http.post(gw.url + "/v1/completions", json=completion(6)) as r:
+                assert r.status == 200
+                await r.read()
+
+    loops = [asyncio.create_task(client_loop()) for _ in range(6)]
+    try:
+        await wait_until(lambda: all(w.stats.completed >= 3 for w in ws), timeout=10)
+        slow = ws[0]
+        slow.set_fault("drip=20")  # its answers now trickle out: it holds every request long
+        await asyncio.sleep(1.0)
+        seen = [{id(r) for r in w.stats.requests} for w in ws]
+        await asyncio.sleep(1.5)
+        new = [
+            sum(1 for r in w.stats.requests if r.path == "/v1/completions" and id(r) not in old)
+            for w, old in zip(ws, seen, strict=True)
+        ]
+    finally:
+        stop.set()
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+    to_slow, to_others = new[0], new[1] + new[2]
+    assert to_slow == 0, (to_slow, to_others)
+    assert to_others >= 20  # the fleet kept serving on the other two
+
+
+async def test_saturated_workers_make_requests_wait_then_complete_in_order(
+    fake_worker, gateway, http
+):
+    ws = [await fake_worker(models="m", ttft_ms=5, tpot_ms=20, max_num_seqs=1) for _ in range(2)]
+    gw = await gateway(ws, scrape=FAST_SCRAPES)
+    dispatcher = gw.app[DISPATCHER]
+    # Four at once: two run, two wait in the workers' own queues, which teaches the
+    # gateway that each worker runs one request at a time.
+    warm = [http.post(gw.url + "/v1/completions", json=completion(10)) for _ in range(4)]
+    responses = await asyncio.gather(*warm)
+    for r in responses:
+        await r.read()
+    assert all(capacity(gw, w) == 1 for w in _workers(gw))
+    loop = asyncio.get_running_loop()
+    events: list[tuple[str, int, float]] = []
+
+    async def one(i: int) -> None:
+        async with http.post(gw.url + "/v1/completions", json=completion(8)) as r:
+            assert r.status == 200
+            await r.content.readany()
+            events.append(("first", i, loop.time()))
+            body = await r.read()
+            events.append(("done", i, loop.time()))
+            assert b"[DONE]" in body
+
+    tasks = []
+    for i in range(8):
+        tasks.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(0.01)
+    await wait_until(lambda: dispatcher.admission.depth >= 4, timeout=2)
+    await asyncio.gather(*tasks)
+    assert [i for kind, i, _ in sorted(events, key=lambda e: e[2]) if kind == "first"] == list(
+        range(8)
+    )
+    assert [i for kind, i, _ in sorted(events, key=lambda e: e[2]) if kind == "done"] == list(
+        range(8)
+    )
+    assert dispatcher.admission.admitted >= 6 and dispatcher.admission.depth == 0
+    # They waited in the gateway, not in the workers' queues.
+    assert all(w.stats.waiting == 0 for w in ws)
+
+
+async def test_a_full_queue_answers_429_and_the_gateway_keeps_serving(
+    fake_worker, gateway, http, client
+):
+    w = await fake_worker(models="m", ttft_ms=5, tpot_ms=40, max_num_seqs=1)
+    gw = await gateway([w], scrape=FAST_SCRAPES, dispatch=DispatchConfig(max_queued=2))
+    dispatcher = gw.app[DISPATCHER]
+    long_ones = [
+        asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(25)))
+        for _ in range(2)
+    ]  # one runs, one waits in the worker: capacity 1 is learned
+    await wait_until(lambda: capacity(gw, w_of(gw)) == 1, timeout=3)
+    queued = [
+        asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(2)))
+        for _ in range(2)
+    ]
+    await wait_until(lambda: dispatcher.admission.depth == 2, timeout=3)
+    async with http.post(gw.url + "/v1/completions", json=completion(2)) as r:
+        assert r.status == 429
+        assert int(r.headers["Retry-After"]) >= 1
+        error = (await r.json())["error"]
+        assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
+        assert set(error) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.RateLimitError) as e:
+        await client(gw).completions.create(model="m", prompt="x", max_tokens=2)
+    assert e.value.response.headers["retry-after"]
+    for r in await asyncio.gather(*long_ones, *queued):
+        assert r.status == 200
+        await r.read()
+    # The queue emptied and the gateway serves as before.
+    done = await client(gw).completions.create(model="m", prompt="x", max_tokens=2)
+    assert done.choices[0].text == " w0 w1"
+    assert dispatcher.admission.rejected == 2 and dispatcher.admission.depth == 0
+    async with http.get(gw.url + "/stats") as r:
+        queue = (await r.json())["admission_queue"]
+    assert queue["rejected"] == 2 and queue["admitted"] >= 2 and queue["depth"] == 0
+
+
+async def test_waiting_too_long_answers_503_and_a_departed_client_leaves_the_queue(
+    fake_worker, gateway, http
+):
+    w = await fake_worker(models="m", ttft_ms=5, tpot_ms=50, max_num_seqs=1)
+    gw = await gateway([w], scrape=FAST_SCRAPES, dispatch=DispatchConfig(max_queue_wait=0.3))
+    dispatcher = gw.app[DISPATCHER]
+    long_ones = [
+        asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(40)))
+        for _ in range(2)
+    ]
+    await wait_until(lambda: capacity(gw, w_of(gw)) == 1, timeout=3)
+    async with http.post(gw.url + "/v1/completions", json=completion(2)) as r:
+        assert r.status == 503 and r.headers["Retry-After"]
+        assert (await r.json())["error"]["code"] == "queue_timeout"
+    received = served(w)
+    leaving = asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(2)))
+    await wait_until(lambda: dispatcher.admission.depth == 1, timeout=2)
+    leaving.cancel()  # the client hangs up while its request waits
+    await wait_until(lambda: dispatcher.admission.depth == 0, timeout=2)
+    assert dispatcher.admission.abandoned == 1 and dispatcher.admission.timed_out == 1
+    for r in await asyncio.gather(*long_ones):
+        await r.read()
+    assert served(w) == received  # the departed request never reached the worker
+
+
+async def test_a_model_can_have_its_own_policy(fake_worker, gateway, client):
+    a = await fake_worker(models=("m", "other"))
+    b = await fake_worker(models=("m", "other"))
+    gw = await gateway([a, b], policy="queue", models={"other": ModelConfig(policy="round_robin")})
+    dispatcher = gw.app[DISPATCHER]
+    assert dispatcher.policy_for_model["other"].name == "round_robin"
+    c = client(gw)
+    for _ in range(6):
+        await c.completions.create(model="other", prompt="x", max_tokens=1)
+    assert served(a) == served(b) == 3  # strictly in turn
+
+
+def served(worker) -> int:
+    return sum(1 for r in worker.stats.requests if r.path == "/v1/completions")
+
+
+def capacity(gw, worker) -> float | None:
+    bucket = gw.app[DISPATCHER].buckets.by_worker.get(worker)
+    return bucket.capacity if bucket else None
+
+
+def _workers(gw):
+    return list(gw.app[DISPATCHER].registry)
+
+
+def w_of(gw):
+    (worker,) = _workers(gw)
+    return worker
