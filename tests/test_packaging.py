@@ -47,7 +47,7 @@ def test_unit_is_a_notify_service_with_reload_secrets_and_hardening():
         "PrivateTmp": "yes",
         "NoNewPrivileges": "yes",
         "CapabilityBoundingSet": "",
-        "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX",
+        "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX AF_NETLINK",
     }.items():
         assert s[key] == [value], key
     assert "@system-service" in s["SystemCallFilter"]
