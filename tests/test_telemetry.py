@@ -245,3 +245,25 @@ async def test_breaker_openings_and_circuit_are_exported(fake_worker, gateway, c
     circuit = m["vllm_gateway_worker_circuit"]
     assert total(circuit, "vllm_gateway_worker_circuit", worker=bad.url, circuit="open") == 1
     assert total(circuit, "vllm_gateway_worker_circuit", worker=good.url, circuit="closed") == 1
+
+
+async def test_stats_carry_the_autoscalers_demand_per_model(fake_worker, gateway, http):
+    from vllm_gateway.config import AutoscaleConfig
+
+    w = await fake_worker(models="m", tpot_ms=20, ttft_ms=1)
+    gw = await gateway([w], autoscale=AutoscaleConfig(interval=0.05, target_per_worker=2))
+    body = {"model": "m", "prompt": "x", "max_tokens": 200, "stream": True}
+    streams = [await http.post(gw.url + "/v1/completions", json=body) for _ in range(3)]
+    try:
+
+        async def model_doc() -> dict:
+            async with http.get(gw.url + "/stats") as r:
+                return (await r.json())["models"][0]
+
+        async with asyncio.timeout(5):
+            while (doc := await model_doc())["demand"] != 3:
+                await asyncio.sleep(0.05)
+        assert doc["desired"] == 2  # ceil(3 requests / 2 per worker)
+    finally:
+        for r in streams:
+            r.close()

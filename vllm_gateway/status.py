@@ -125,6 +125,10 @@ class StatusViews:
             model_totals(model).duration.add(h)
         for (model, _url), h in self.metrics.ttfb.items():
             model_totals(model).ttfb.add(h)
+        if self.autoscaler is not None:
+            for model, signal in self.autoscaler.signals.items():
+                totals = model_totals(model)
+                totals.demand, totals.desired = signal.demand, signal.desired
         workers = []
         for w in sorted(self.registry, key=lambda x: x.url):
             doc = describe_worker(w, now)
@@ -183,7 +187,17 @@ class _Summed:
 class _ModelTotals:
     """One model's line on the status page."""
 
-    __slots__ = ("duration", "failed", "inflight", "ready", "requests", "ttfb", "workers")
+    __slots__ = (
+        "demand",
+        "desired",
+        "duration",
+        "failed",
+        "inflight",
+        "ready",
+        "requests",
+        "ttfb",
+        "workers",
+    )
 
     def __init__(self) -> None:
         self.requests = 0
@@ -193,6 +207,8 @@ class _ModelTotals:
         self.inflight = 0
         self.duration = _Summed()
         self.ttfb = _Summed()
+        self.demand: float | None = None  # the autoscaler's signals (None: no autoscaler)
+        self.desired: int | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -203,4 +219,6 @@ class _ModelTotals:
             "inflight": self.inflight,
             "duration": self.duration.to_json(),
             "ttfb": self.ttfb.to_json(),
+            "demand": self.demand,
+            "desired": self.desired,
         }
