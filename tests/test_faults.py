@@ -19,10 +19,12 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.conftest import wait_until
+from tests.scripted_worker import LAST_CHUNK, SSE_HEAD, ScriptedWorker, chunk, response
 from vllm_gateway.app import DISPATCHER, REGISTRY
 from vllm_gateway.config import ProbeConfig, RetryConfig, TimeoutConfig
 from vllm_gateway.fake_worker import FakeWorker
 from vllm_gateway.server import RunningServer
+from vllm_gateway.upstream import UpstreamPool
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -418,3 +420,69 @@ async def test_worker_restart_mid_stream_then_serves_again(fake_worker, gateway,
     results = await asyncio.gather(*(call(http, gw) for _ in range(16)))
     assert [s for s, _, _ in results] == [200] * 16
     await settled(gw, w)
+
+
+# --- the keep-alive pool ---------------------------------------------------------------------
+
+
+class _Client:
+    """A stand-in for the client's transport in the relay: it can go away on cue."""
+
+    def __init__(self) -> None:
+        self.closing = False
+        self.written: list[bytes] = []
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+    def writelines(self, parts: list[bytes]) -> None:
+        self.written.extend(parts)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return (16384, 65536)
+
+
+async def test_a_connection_paused_for_a_departed_client_is_read_again_in_the_pool():
+    """The soak's hung requests: a client left just as the worker's last bytes arrived, so
+    reading paused for it on an answer that was complete; the connection went back to the
+    pool still paused, and the next request on it waited for an answer nobody read."""
+    go = asyncio.Event()
+
+    async def script(t, body):
+        if body == b"again":
+            t.write(response(200, b'{"ok": 1}'))
+            return
+        t.write(SSE_HEAD + chunk(b"data: 1\n\n"))
+        await go.wait()
+        t.write(chunk(b"data: 2\n\n") + chunk(b"data: [DONE]\n\n") + LAST_CHUNK)  # one read
+
+    worker = await ScriptedWorker(script).start()
+    pool = UpstreamPool(connect_timeout=2.0)
+    await pool.open()
+    try:
+        head = b"POST /v1/x HTTP/1.1\r\nHost: w\r\nContent-Length: %d\r\n\r\n"
+        conn = await pool.acquire(worker.url)
+        conn.send(head % 2, b"{}")
+        await asyncio.wait_for(conn.wait_head(None), 2)
+        client = _Client()
+        conn.attach(client, chunked=True)  # type: ignore[arg-type]
+        client.closing = True  # the client leaves...
+        go.set()  # ...as the rest of the answer arrives, whole
+        await wait_until(lambda: conn.complete, timeout=3)
+        assert conn.transport is not None and not conn.transport.is_reading()  # the race
+        pool.release(conn)
+        assert conn.reusable and conn.transport.is_reading()  # read again once idle
+        again = await pool.acquire(worker.url)
+        assert again is conn
+        again.send(head % 5, b"again")
+        await asyncio.wait_for(again.wait_head(None), 2)  # hung for ever before the fix
+        assert again.status == 200
+    finally:
+        await pool.close()
+        await worker.stop()

@@ -276,6 +276,13 @@ class UpstreamConnection(asyncio.Protocol):
         )
         if not self.reusable:
             self.close()
+        elif not self.transport.is_reading():  # type: ignore[union-attr]
+            # Reading was paused for this exchange (a slow client, or one that left just
+            # as the last bytes came); an idle connection must be read again, or the next
+            # request on it waits for an answer nobody reads, and a close by the worker
+            # goes unseen. Found by the soak (benchmarks/soak.py).
+            self.paused = self._held = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
 
     def close(self) -> None:
         """Close the connection (the worker sees its client go away and aborts)."""
