@@ -196,3 +196,46 @@ async def test_autoscaler_follows_a_demand_ramp_within_bounds_without_flapping(
     ]
     runs = directions([(event.removeprefix("scaling "), 0) for event, *_ in scaled])
     assert runs == ["up", "down"], scaled  # each decision logged once, with its numbers
+
+
+async def test_requests_waiting_in_the_admission_queue_count_as_demand(
+    fake_worker, gateway, client
+):
+    w = await fake_worker(models="m", max_num_seqs=1, tpot_ms=20, ttft_ms=1)
+    gw = await gateway(
+        [w],
+        scrape=ScrapeConfig(interval=0.05),
+        autoscale=AutoscaleConfig(
+            interval=0.05, target_per_worker=2, queue_wait_up=0.2, scale_up_window=0
+        ),
+    )
+    autoscaler = gw.app[AUTOSCALER]
+    c = client(gw)
+    seen = {"queued": 0, "wait": 0.0, "desired": 0}
+
+    async def watch() -> None:
+        while True:
+            d = autoscaler.signals.get("m")
+            if d is not None:
+                seen["queued"] = max(seen["queued"], d.queued)
+                seen["wait"] = max(seen["wait"], d.queue_wait)
+                seen["desired"] = max(seen["desired"], d.desired)
+            await asyncio.sleep(0.02)
+
+    async def wave(n: int) -> list[str]:
+        answers = await asyncio.gather(
+            *(c.completions.create(model="m", prompt="x", max_tokens=15) for _ in range(n))
+        )
+        return [a.choices[0].text for a in answers]
+
+    # The first wave queues in the worker, which teaches the gateway the worker's room
+    # (its token bucket, docs/dispatch.md); the second then waits in the gateway.
+    assert await wave(4) == ["".join(f" w{i}" for i in range(15))] * 4
+    watcher = asyncio.create_task(watch())
+    try:
+        assert await wave(8) == ["".join(f" w{i}" for i in range(15))] * 8
+    finally:
+        watcher.cancel()
+    # One request at a time on the worker: the rest waited in the gateway, and counted.
+    assert seen["queued"] >= 2 and seen["wait"] > 0.2, seen
+    assert seen["desired"] >= 4, seen  # 1 running + 7 queued at 2 per worker; no rule: no max

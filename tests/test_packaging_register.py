@@ -29,12 +29,13 @@ def test_unit_orders_the_agent_to_stop_before_the_server():
     assert "vllm-gateway register" in unit["Service"]["ExecStart"]
     assert int(unit["Service"]["TimeoutStopSec"]) > 600  # the agent's default drain timeout
     assert unit["Service"]["KillSignal"] == "SIGTERM"
+    assert "AF_NETLINK" in unit["Service"]["RestrictAddressFamilies"]  # name resolution
 
 
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
 def test_systemd_analyze_verify_accepts_the_unit(tmp_path):
     exe = Path(sys.executable).parent / "vllm-gateway"
-    text = UNIT.read_text().replace("/usr/local/bin/vllm-gateway", str(exe))
+    text = UNIT.read_text().replace("/opt/vllm-gateway/bin/vllm-gateway", str(exe))
     (tmp_path / "vllm-gateway-register@1.service").write_text(text)
     (tmp_path / "vllm@.service").write_text(
         "[Unit]\nDescription=vLLM %i\n[Service]\nExecStart=/bin/true\n"

@@ -21,7 +21,7 @@ from vllm_gateway.access_log import AccessLog
 from vllm_gateway.admin import AdminApi
 from vllm_gateway.aliases import AliasTable, check_alias
 from vllm_gateway.auth import ClientKeys
-from vllm_gateway.autoscale import Autoscaler
+from vllm_gateway.autoscale import Autoscaler, admission_view
 from vllm_gateway.breaker import CircuitBreaker
 from vllm_gateway.config import GatewayConfig, normalize_url
 from vllm_gateway.discovery import DnsDiscovery
@@ -205,7 +205,12 @@ def create_app(
     fleet = Fleet(registry, prober, breaker)
     aliases = AliasTable(registry, config.aliases, rng)
     registration = Registration(fleet, dispatcher, aliases, config.registration)
-    autoscaler = Autoscaler(registry, config.autoscale, process_index=process_index)
+    autoscaler = Autoscaler(
+        registry,
+        config.autoscale,
+        process_index=process_index,
+        queued=admission_view(dispatcher.admission),
+    )
     discovery = DnsDiscovery(fleet, config.discovery)
     admin = AdminApi(
         fleet,

@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_gateway.admission import Admission
 from vllm_gateway.config import AutoscaleConfig, ScaleRule
 from vllm_gateway.demand import ModelDemand, desired_workers, measure
 from vllm_gateway.log import get_logger
@@ -49,6 +50,20 @@ EVENTS_KEPT = 50
 
 def _no_queue(model: str) -> tuple[int, float]:
     return 0, 0.0
+
+
+def admission_view(admission: Admission) -> QueueView:
+    """The autoscaler's view of the admission queue: per model, how many wait and how long
+    the longest-waiting one has (seconds)."""
+
+    def queued(model: str) -> tuple[int, float]:
+        queue = admission.queues.get(model)
+        if queue is None or not queue.live:
+            return 0, 0.0
+        oldest = min(waiter.enqueued for waiter in queue)
+        return queue.live, max(0.0, time.monotonic() - oldest)
+
+    return queued
 
 
 @dataclass(slots=True)
