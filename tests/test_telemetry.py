@@ -11,7 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import FAST_PROBES, replace, wait_until
 from vllm_gateway.app import GATEWAY, REGISTRY
-from vllm_gateway.telemetry import TTFB_BUCKETS, Histogram
+from vllm_gateway.exposition import Histogram
+from vllm_gateway.telemetry import TTFB_BUCKETS
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -267,3 +268,61 @@ async def test_stats_carry_the_autoscalers_demand_per_model(fake_worker, gateway
     finally:
         for r in streams:
             r.close()
+
+
+async def test_admission_queue_and_learned_capacity_are_exported(fake_worker, gateway, http):
+    from vllm_gateway.app import DISPATCHER
+    from vllm_gateway.config import DispatchConfig, ScrapeConfig
+
+    w = await fake_worker(models="m", ttft_ms=5, tpot_ms=40, max_num_seqs=1)
+    gw = await gateway(
+        [w],
+        scrape=ScrapeConfig(interval=0.05, timeout=0.5, stale_after=1.0),
+        dispatch=DispatchConfig(max_queued=2),
+    )
+    admission = gw.app[DISPATCHER].admission
+
+    def body(tokens: int) -> dict:
+        return {"model": "m", "prompt": "x", "max_tokens": tokens, "stream": True}
+
+    # One runs, one waits in the worker: dispatch learns a capacity of 1; then two wait in
+    # the gateway's queue and a third is refused.
+    long_ones = [
+        asyncio.create_task(http.post(gw.url + "/v1/completions", json=body(25))) for _ in range(2)
+    ]
+    dispatcher = gw.app[DISPATCHER]
+    worker = gw.app[REGISTRY].get(w.url)
+
+    def learned() -> float | None:
+        bucket = dispatcher.buckets.by_worker.get(worker)
+        return bucket.capacity if bucket else None
+
+    await wait_until(lambda: learned() == 1, timeout=5)
+    queued = [
+        asyncio.create_task(http.post(gw.url + "/v1/completions", json=body(2))) for _ in range(2)
+    ]
+    await wait_until(lambda: admission.depth == 2, timeout=5)
+    m = await scrape(http, gw)
+    assert (
+        total(
+            m["vllm_gateway_admission_queue_depth"], "vllm_gateway_admission_queue_depth", model="m"
+        )
+        == 2
+    )
+    assert (
+        total(m["vllm_gateway_worker_capacity"], "vllm_gateway_worker_capacity", worker=w.url) == 1
+    )
+    async with http.post(gw.url + "/v1/completions", json=body(2)) as r:
+        assert r.status == 429
+    for r in await asyncio.gather(*long_ones, *queued):
+        await r.read()
+    await wait_until(lambda: admission.depth == 0, timeout=10)
+    m = await scrape(http, gw)
+    results = m["vllm_gateway_admission_queue_requests"]
+    name = "vllm_gateway_admission_queue_requests_total"
+    assert total(results, name, result="rejected") == 1
+    admitted = total(results, name, result="admitted")
+    assert admitted == admission.admitted >= 2
+    wait = m["vllm_gateway_admission_queue_wait_seconds"]
+    assert total(wait, "vllm_gateway_admission_queue_wait_seconds_count", model="m") == admitted
+    assert total(wait, "vllm_gateway_admission_queue_wait_seconds_sum", model="m") > 0

@@ -7,8 +7,9 @@ merges them:
 
 - /metrics: every sample carries a `process` label, so the families are concatenated, each
   under one HELP and TYPE; `sum without (process) (...)` in PromQL adds them up.
-- /stats: counters (requests, failures, in-flight, histogram buckets, errors, retries) are
-  summed per worker, model and error; the rest is the asked process's own view.
+- /stats: counters (requests, failures, in-flight, histogram buckets, errors, retries, the
+  admission queues) are summed per worker, model and error; the rest is the asked
+  process's own view.
 """
 
 from __future__ import annotations
@@ -76,9 +77,25 @@ def merge_stats(mine: dict[str, Any], others: list[dict[str, Any]]) -> dict[str,
             else:
                 errors[key] = e
                 mine["errors"].append(e)
+        _add_queue(mine.get("admission_queue"), doc.get("admission_queue"))
     mine["models"].sort(key=lambda m: m["model"])
     gateway["processes"] = 1 + len(others)
     return mine
+
+
+QUEUE_COUNTS = ("depth", "admitted", "rejected", "timed_out", "abandoned", "wait_seconds")
+
+
+def _add_queue(into: dict[str, Any] | None, other: dict[str, Any] | None) -> None:
+    """Each process has its own admission queue: add them up."""
+    if not into or not other:
+        return
+    for key in QUEUE_COUNTS:
+        into[key] += other[key]
+    into["max_wait_seen"] = max(into["max_wait_seen"], other["max_wait_seen"])
+    by_model = into["by_model"]
+    for model, n in other["by_model"].items():
+        by_model[model] = by_model.get(model, 0) + n
 
 
 def _add_histogram(into: dict[str, Any], other: dict[str, Any]) -> None:

@@ -22,13 +22,12 @@ from aiohttp import web
 from vllm_gateway import __version__
 from vllm_gateway.config import GatewayConfig
 from vllm_gateway.dispatch import CLIENT_GONE, OK, Dispatcher
+from vllm_gateway.exposition import CONTENT_TYPE, Histogram
 from vllm_gateway.processes_view import merge_expositions, merge_stats
 from vllm_gateway.routes import describe_worker, json_response
 from vllm_gateway.scrape import Scraper
 from vllm_gateway.siblings import Siblings
 from vllm_gateway.telemetry import (
-    CONTENT_TYPE,
-    Histogram,
     ReloadCounters,
     RequestMetrics,
     render,

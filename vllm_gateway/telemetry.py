@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import os
 import time
-from bisect import bisect_left
-from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from vllm_gateway import __version__
 from vllm_gateway.dispatch import Dispatcher, Lease
 from vllm_gateway.errors import GatewayError
+from vllm_gateway.exposition import Histogram, Writer
 from vllm_gateway.scrape import Scraper
 from vllm_gateway.workers import Circuit, WorkerRegistry, WorkerState
 
@@ -40,31 +39,8 @@ DURATION_BUCKETS = (
     *(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0),
     *(20.0, 30.0, 60.0, 120.0, 300.0, 600.0),
 )
-
-
-class Histogram:
-    """Bucket counts (not cumulative; the last is +Inf), sum and count of observations."""
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        # bisect_left: the first bound >= value, which is Prometheus' `le` (less or equal).
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def cumulative(self) -> Iterator[tuple[str, int]]:
-        """(le, cumulative count) pairs as the exposition format writes them."""
-        total = 0
-        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            total += n
-            yield ("+Inf" if bound == float("inf") else _number(bound)), total
+# Admission queue wait of the requests that waited: from enqueue to getting a worker.
+QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class RequestMetrics:
@@ -77,6 +53,7 @@ class RequestMetrics:
         self.duration: dict[tuple[str, str], Histogram] = {}  # (model, worker)
         self.response_bytes: dict[tuple[str, str], int] = {}  # (model, worker)
         self.errors: dict[tuple[int, str], int] = {}  # (status, code) answered by the gateway
+        self.queue_wait: dict[tuple[str], Histogram] = {}  # (model,): admission queue waits
 
     def observe(self, lease: Lease) -> None:
         """`Dispatcher.on_release` hook: count one finished lease. Hot path: keep it lean."""
@@ -85,6 +62,11 @@ class RequestMetrics:
         url = lease.worker.url
         key = (model, url, lease.status, lease.outcome)
         self.requests[key] = self.requests.get(key, 0) + 1
+        if lease.waited:  # it waited in the admission queue for this worker
+            wait = self.queue_wait.get((model,))
+            if wait is None:
+                wait = self.queue_wait[(model,)] = Histogram(QUEUE_WAIT_BUCKETS)
+            wait.observe(lease.waited)
         if not lease.status:
             return  # the worker never answered: no latency to speak of
         pair = (model, url)
@@ -114,58 +96,6 @@ class ReloadCounters:
         self.last_success = time.time()  # the start counts as loading the config
 
 
-# --- the exposition format ------------------------------------------------------------------
-
-
-def _number(value: float) -> str:
-    if value == float("inf"):
-        return "+Inf"
-    if isinstance(value, int) or value.is_integer():
-        return str(int(value))
-    return repr(value)
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _labels(pairs: Iterable[tuple[str, object]]) -> str:
-    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in pairs)
-    return "{" + inner + "}" if inner else ""
-
-
-class _Writer:
-    """Collects lines of the text exposition format (version 0.0.4)."""
-
-    def __init__(self, const: tuple[tuple[str, object], ...] = ()) -> None:
-        self.lines: list[str] = []
-        self.const = const  # labels on every sample (the process, with --processes N)
-
-    def family(self, name: str, type_: str, help_: str) -> None:
-        self.lines.append(f"# HELP {name} {help_}")
-        self.lines.append(f"# TYPE {name} {type_}")
-
-    def sample(self, name: str, value: float, labels: Iterable[tuple[str, object]] = ()) -> None:
-        if self.const:
-            labels = (*labels, *self.const)
-        self.lines.append(f"{name}{_labels(labels)} {_number(value)}")
-
-    def histograms(self, name: str, help_: str, series: dict[tuple[str, str], Histogram]) -> None:
-        self.family(name, "histogram", help_)
-        for (model, url), h in sorted(series.items()):
-            base = (("model", model), ("worker", url))
-            for le, count in h.cumulative():
-                self.sample(name + "_bucket", count, (*base, ("le", le)))
-            self.sample(name + "_sum", h.sum, base)
-            self.sample(name + "_count", h.count, base)
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
 def render(
     metrics: RequestMetrics,
     registry: WorkerRegistry,
@@ -179,7 +109,7 @@ def render(
 ) -> str:
     """The whole /metrics document. `started` is the process start, in Unix seconds;
     `process` (with --processes N) labels every sample with the process's index."""
-    w = _Writer((("process", process),) if process is not None else ())
+    w = Writer((("process", process),) if process is not None else ())
     p = "vllm_gateway_"
 
     w.family(p + "build_info", "gauge", "Always 1; the version label says which gateway runs.")
@@ -293,6 +223,8 @@ def render(
 
     _fleet_metrics(w, autoscaler, registration)
 
+    _dispatch_metrics(w, metrics, dispatcher, workers)
+
     # --- configuration reloads ---
     w.family(p + "config_reloads_total", "counter", "Configuration reloads (SIGHUP), by result.")
     w.sample(p + "config_reloads_total", reloads.succeeded, (("result", "success"),))
@@ -315,7 +247,7 @@ def render(
 
 
 def _fleet_metrics(
-    w: _Writer,
+    w: Writer,
     autoscaler: Autoscaler | None,
     registration: Registration | None,
 ) -> None:
@@ -360,7 +292,50 @@ def _fleet_metrics(
     w.sample(p + "autoscale_commands_total", failed, (("result", "failed"),))
 
 
-def _process_metrics(w: _Writer) -> None:
+def _dispatch_metrics(
+    w: Writer, metrics: RequestMetrics, dispatcher: Dispatcher, workers: list
+) -> None:
+    """The admission queue (depth, results, waits) and what the token buckets learned."""
+    p = "vllm_gateway_"
+    admission = dispatcher.admission
+    w.family(p + "admission_queue_depth", "gauge", "Requests waiting in the gateway for a worker.")
+    for model, queue in sorted(admission.queues.items()):
+        w.sample(p + "admission_queue_depth", queue.live, (("model", model),))
+    w.family(
+        p + "admission_queue_requests_total",
+        "counter",
+        "Requests that queued, by how they left: admitted (got a worker), timed_out (waited "
+        "longer than dispatch.max_queue_wait), abandoned (the client left), rejected (the "
+        "queue was full, 429).",
+    )
+    for result in ("admitted", "timed_out", "abandoned", "rejected"):
+        w.sample(
+            p + "admission_queue_requests_total",
+            getattr(admission, result),
+            (("result", result),),
+        )
+    w.histograms(
+        p + "admission_queue_wait_seconds",
+        "How long admitted requests waited in the queue for a worker.",
+        metrics.queue_wait,
+        keys=("model",),
+    )
+    described = [(worker.url, dispatcher.buckets.describe(worker)) for worker in workers]
+    for name, key, help_ in (
+        (
+            "worker_capacity",
+            "capacity",
+            "Requests dispatch learned each worker runs at once (its token bucket's size).",
+        ),
+        ("worker_tokens", "tokens", "Requests each worker may be sent now (absent: no limit)."),
+    ):
+        w.family(p + name, "gauge", help_)
+        for url, doc in described:
+            if doc[key] is not None:
+                w.sample(p + name, doc[key], (("worker", url),))  # type: ignore[arg-type]
+
+
+def _process_metrics(w: Writer) -> None:
     """The standard process_* series (as prometheus-client names them), from /proc."""
     times = os.times()
     w.family("process_cpu_seconds_total", "counter", "User and system CPU time of this process.")
