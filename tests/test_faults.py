@@ -486,3 +486,57 @@ async def test_a_connection_paused_for_a_departed_client_is_read_again_in_the_po
     finally:
         await pool.close()
         await worker.stop()
+
+
+async def test_a_worker_closing_idle_connections_is_met_on_a_new_one(gateway, http):
+    async def script(t, body):
+        t.write(response(200, b'{"ok": 1}'))
+        await asyncio.sleep(0.05)
+        t.close()  # the worker drops the idle keep-alive connection (no "Connection: close")
+
+    worker = await ScriptedWorker(script).start()
+    try:
+        gw = await gateway([worker.url], timeouts=QUICK, probe=ONCE)
+        for _ in range(3):
+            status, _, _ = await call(http, gw)
+            assert status == 200
+            await asyncio.sleep(0.2)  # the close has arrived by now
+        # Each request on a connection of its own: a closed one is never written to.
+        assert len(set(worker.post_connections)) == 3
+    finally:
+        await worker.stop()
+
+
+async def test_a_reused_connection_failing_before_any_answer_is_not_replayed(gateway, http):
+    """The subtle case of the retry rule: a request written on a pooled connection that the
+    worker closes before answering (say, just as it restarts) may have reached its
+    application. It is a 502 `worker_error`, never replayed on another worker."""
+    seen: dict[int, int] = {}
+
+    async def flaky(t, body):
+        n = seen[id(t)] = seen.get(id(t), 0) + 1
+        if n == 1:
+            t.write(response(200, b'{"ok": 1}'))
+        else:
+            t.close()  # the second request on this connection: read, never answered
+
+    async def steady(t, body):
+        t.write(response(200, b'{"ok": 1}'))
+
+    a = await ScriptedWorker(flaky).start()
+    b = await ScriptedWorker(steady).start()
+    try:
+        gw = await gateway([a.url, b.url], timeouts=QUICK, probe=ONCE, policy="round_robin")
+        statuses = []
+        for _ in range(4):
+            status, _, body = await call(http, gw)
+            statuses.append(status)
+            if status != 200:
+                assert status == 502 and error_of(body)["code"] == "worker_error"
+        assert sorted(statuses) == [200, 200, 200, 502]
+        assert len(a.requests) == 2 and len(b.requests) == 2  # no third request on b
+        assert gw.app[DISPATCHER].retries == 0
+        await settled(gw)
+    finally:
+        await a.stop()
+        await b.stop()
