@@ -693,3 +693,19 @@ async def test_blackhole_makes_connects_time_out_then_resume_serves(
     await worker.resume()
     async with aiohttp.ClientSession() as http, http.get(worker.url + "/health") as resp:
         assert resp.status == 200
+
+
+async def test_outage_over_http_then_resume(make_worker: MakeWorker) -> None:
+    worker = await make_worker()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(worker.url + "/fake/outage", json={"mode": "nope"}) as resp:
+            assert resp.status == 400
+        body = {"mode": "pause", "seconds": 0.5}
+        async with http.post(worker.url + "/fake/outage", json=body) as resp:
+            assert resp.status == 202
+        await asyncio.sleep(0.2)
+        with pytest.raises(aiohttp.ClientConnectorError):
+            await http.get(worker.url + "/health")  # refused while paused
+        await asyncio.sleep(0.6)
+        async with http.get(worker.url + "/health") as resp:
+            assert resp.status == 200  # back on its own

@@ -33,6 +33,9 @@ Lifecycle faults, for the whole worker:
                        never read or answer them: a hung process
     blackhole()        cut open connections, then let connects time out (SYNs dropped)
     resume()           listen on the same port again: a restarted worker
+
+A worker run as its own process takes the same outages over HTTP: POST /fake/outage
+{"mode": "pause"|"freeze"|"blackhole", "seconds": S} answers 202, then resumes after S s.
 `python -m vllm_gateway.fake_worker --help` runs one from the shell.
 """
 

@@ -44,6 +44,7 @@ class FakeWorker:
         # While frozen or blackholed: the bare listening socket standing in for the server,
         # and (blackhole) the connection that keeps its accept queue full.
         self._stand_in: list[socket.socket] = []
+        self._outages: set[asyncio.Task[None]] = set()  # POST /fake/outage in progress
 
     @property
     def url(self) -> str:
@@ -76,6 +77,7 @@ class FakeWorker:
         OpenAIApi(self.config, self.engine, self._finish).add_routes(app)
         app.router.add_get("/fake/stats", self._get_stats)
         app.router.add_post("/fake/fault", self._post_fault)
+        app.router.add_post("/fake/outage", self._post_outage)
         # handler_cancellation: aiohttp cancels a handler when its client goes away,
         # which is how a non-streaming request learns of it (and frees its slot).
         self._runner = web.AppRunner(
@@ -88,6 +90,8 @@ class FakeWorker:
     async def stop(self) -> None:
         if self._runner is None:
             return
+        for task in list(self._outages):
+            task.cancel()
         await self.pause()
         self._close_stand_in()
         await self._runner.cleanup()
@@ -241,6 +245,32 @@ class FakeWorker:
         except (ValueError, TypeError, AttributeError) as exc:
             return _error(p.ApiError(400, str(exc), "fault"))
         return json_response({"fault": self.fault})
+
+    async def _post_outage(self, request: web.Request) -> web.Response:
+        """`{"mode": "pause"|"freeze"|"blackhole", "seconds": S}`: that outage for S seconds,
+        then resume(). For a worker run as its own process, whose methods a test cannot
+        call; the answer (202) goes out first, since the outage cuts this connection too."""
+        modes = {"pause": self.pause, "freeze": self.freeze, "blackhole": self.blackhole}
+        try:
+            body: Any = orjson.loads(await request.read())
+            start = modes[body["mode"]]
+            seconds = float(body["seconds"])
+            if not 0 < seconds <= 3600:
+                raise ValueError("seconds must be in (0, 3600]")
+        except (ValueError, TypeError, KeyError) as exc:
+            message = f'body must be {{"mode": one of {sorted(modes)}, "seconds": S}}: {exc}'
+            return _error(p.ApiError(400, message, "mode"))
+
+        async def outage() -> None:
+            await asyncio.sleep(0.05)  # let the 202 reach the caller
+            await start()
+            await asyncio.sleep(seconds)
+            await self.resume()
+
+        task = asyncio.get_running_loop().create_task(outage())
+        self._outages.add(task)
+        task.add_done_callback(self._outages.discard)
+        return json_response({"mode": body["mode"], "seconds": seconds}, 202)
 
 
 def _error(exc: p.ApiError) -> web.Response:
