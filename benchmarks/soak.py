@@ -27,7 +27,8 @@ The soak passes when lost and hung are 0 and, once the load is over: every worke
 in-flight count at the gateway is 0; each worker runs and queues nothing; the gateway holds no
 client connection and no worker connection beyond the probes' and scrapes' keep-alive ones
 (two per worker; the relay's idle ones expire after 4 s); its file descriptors are back to
-their start (+2) and its resident memory within `rss_slack` of its warm start.
+their start (+2) and its resident memory within `rss_slack` of its warm start; and in a run
+of two minutes or more, memory no longer grows from the middle third of the run to the last.
 tests/test_soak.py runs a short variant in CI.
 """
 
@@ -214,6 +215,7 @@ async def run_soak(cfg: SoakConfig) -> Report:
 
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            report.rss_every = cfg.duration / 10
             sampler = asyncio.create_task(sample_rss(pid, report))
             restarter = asyncio.create_task(restart_worker(cfg, cluster, session))
             t0 = time.monotonic()
@@ -236,8 +238,14 @@ async def restart_worker(cfg: SoakConfig, cluster: Cluster, session: aiohttp.Cli
 
 
 async def sample_rss(pid: int, report: Report) -> None:
+    """Track the peak, and keep one sample per tenth of the run (growth shows as a trend)."""
+    t0 = time.monotonic()
     while True:
-        report.rss_peak = max(report.rss_peak, rss_bytes(pid))
+        rss = rss_bytes(pid)
+        report.rss_peak = max(report.rss_peak, rss)
+        elapsed = time.monotonic() - t0
+        if not report.rss_timeline or elapsed >= report.rss_timeline[-1][0] + report.rss_every:
+            report.rss_timeline.append((elapsed, rss))
         await asyncio.sleep(0.5)
 
 
@@ -286,6 +294,14 @@ def check(cfg: SoakConfig, report: Report) -> None:
         p.append(f"{report.upstream_end} worker connections after the load (probes keep 2 each)")
     if report.fds_end > report.fds_start + 2:
         p.append(f"file descriptors: {report.fds_start} at start, {report.fds_end} after")
+    timeline = [rss for _, rss in report.rss_timeline]
+    if cfg.duration >= 120 and len(timeline) >= 9:
+        # A long run must have reached its working size: no growth from its middle third
+        # to its last one (a leak grows with the requests served; a working size does not).
+        third = len(timeline) // 3
+        middle, last = max(timeline[third : 2 * third]), max(timeline[2 * third :])
+        if last > middle * 1.05:
+            p.append(f"RSS still growing: {middle >> 20} MiB mid-run, {last >> 20} MiB late")
     if report.rss_end > report.rss_start * (1 + cfg.rss_slack):
         p.append(f"RSS: {report.rss_start >> 20} MiB at start, {report.rss_end >> 20} MiB after")
 
@@ -308,6 +324,8 @@ def render(cfg: SoakConfig, report: Report) -> str:
         f"  gateway    RSS {report.rss_start / mib:.1f} MiB at rest after warm-up, "
         f"{report.rss_peak / mib:.1f} peak, {report.rss_end / mib:.1f} after "
         f"({(report.rss_end / max(report.rss_start, 1) - 1) * 100:+.1f}%)",
+        "             RSS during the load (MiB): "
+        + " ".join(f"{rss / mib:.0f}" for _, rss in report.rss_timeline),
         f"             fds {report.fds_start} -> {report.fds_end}; client connections after "
         f"{report.clients_end}; worker connections {report.upstream_start} -> "
         f"{report.upstream_end} (probes and scrapes keep up to {2 * cfg.workers})",

@@ -50,6 +50,8 @@ class Report:
     peak_streams: int = 0
     rss_start: int = 0  # bytes, at rest after the warm-up
     rss_peak: int = 0
+    rss_timeline: list[tuple[float, int]] = field(default_factory=list)  # (s into the run, bytes)
+    rss_every: float = 6.0  # seconds between two timeline samples
     rss_end: int = 0
     fds_start: int = 0
     fds_end: int = 0
