@@ -90,8 +90,22 @@ http {{
     return proc, url
 
 
+def start_fake_worker() -> tuple[Proc, str]:
+    """The project's fake vLLM worker answering at once (real wire format, dearer than nginx)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm_gateway", "fake-worker", "--port", str(port)]
+    cmd += ["--model", MODEL, "--ttft-ms", "0", "--tpot-ms", "0", "--max-num-seqs", "100000"]
+    proc = Proc("fake-worker", cmd, str(OUT / "fake-worker.log"), cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", 20, proc)
+    return proc, url
+
+
 def requests_backend(args: argparse.Namespace) -> tuple[Proc, str]:
-    """The backend for non-streamed requests: nginx when installed, else the Python one."""
+    """The backend for non-streamed requests: nginx when installed, else the Python one
+    (or the fake vLLM worker with --fake-worker)."""
+    if args.fake_worker:
+        return start_fake_worker()
     if args.nginx and shutil.which("nginx"):
         return start_nginx_backend()
     return start_backend(args, args.chunks, args.pace_ms)
@@ -537,6 +551,12 @@ def main(argv: list[str]) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="nginx as the backend for non-streamed requests when installed",
+    )
+    p.add_argument(
+        "--fake-worker",
+        action="store_true",
+        help="requests mode against the fake vLLM worker (answering at once) instead of a "
+        "fixed-answer backend: the gateway's added latency over a vLLM-shaped server",
     )
     p.add_argument("--json", help="also write every run's figures to this file")
     args = p.parse_args(argv)
