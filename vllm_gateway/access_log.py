@@ -5,10 +5,12 @@ one line per attempt:
 
     {"request_id": "gw-3f2a-1c", "model": "llama", "path": "/v1/chat/completions",
      "stream": true, "worker": "http://10.0.0.5:8000", "status": 200, "outcome": "ok",
-     "ttfb": 0.0412, "duration": 1.8731, "bytes": 5120, "event": "request", ...}
+     "ttfb": 0.0412, "duration": 1.8731, "bytes": 5120, "waited": 0.0, "event": "request",
+     ...}
 
 `ttfb` and `duration` are seconds from dispatch (ttfb is null when no body byte was
-relayed), `bytes` the response body bytes relayed, `outcome` one of dispatch's outcomes
+relayed), `waited` the seconds spent in the admission queue before it, `bytes` the
+response body bytes relayed, `outcome` one of dispatch's outcomes
 (ok, client_gone, unreachable, timeout, broken, shutdown). A request the gateway answered
 itself without a worker (400, 404, 413, 503, ...) is one line with `code` and outcome
 `rejected`. Lines carry event "request", so they are easy to select in a journal.
@@ -51,6 +53,7 @@ class AccessLog:
                 "ttfb": round(lease.first_byte - started, 6) if lease.first_byte else None,
                 "duration": round(now - started, 6),
                 "bytes": lease.bytes,
+                "waited": round(lease.waited, 6),
             }
         )
 
