@@ -7,12 +7,14 @@ client is aiohttp or a raw socket, so what reaches the client is checked exactly
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import socket
 
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from tests.conftest import wait_until
 from tests.scripted_worker import (
@@ -25,6 +27,8 @@ from tests.scripted_worker import (
 )
 from vllm_gateway.app import REGISTRY
 from vllm_gateway.config import TimeoutConfig
+from vllm_gateway.request_info import RequestInfo
+from vllm_gateway.routes import REQUEST_ID
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -253,3 +257,29 @@ async def test_first_byte_and_idle_timeouts(fake_worker, gateway, http):
     assert '"error"' in text and "sent nothing for 0.3 s" in text
     await wait_until(lambda: w.stats.running == 0, timeout=3)  # the worker saw the abort
     await idle_registry(gw)
+
+
+async def test_request_body_is_released_once_the_answer_streams(fake_worker, gateway, http):
+    """A long prompt is not held for the whole stream: once the worker's answer is being
+    relayed no retry can need it, so neither the bytes nor the parsed JSON stay."""
+    w = await fake_worker(models="m", tpot_ms=20, ttft_ms=1)
+    gw = await gateway([w])
+    prompt = "p" * (256 * 1024)
+    body = orjson.dumps({"model": "m", "prompt": prompt, "max_tokens": 100, "stream": True})
+    async with http.post(gw.url + "/v1/completions", data=body) as r:
+        assert r.status == 200
+        await r.content.readany()  # the stream has started
+        gc.collect()
+        rid = r.headers["X-Request-Id"]
+        infos = [o for o in gc.get_objects() if isinstance(o, RequestInfo) and o.request_id == rid]
+        assert infos, "the stream's RequestInfo should be alive"
+        assert all(i.body == b"" and i.prefix_text(10) == "" for i in infos)
+        # Nor does aiohttp's request keep its copy (bytes are not tracked by gc: ask it).
+        mine = [
+            o
+            for o in gc.get_objects()
+            if isinstance(o, web.BaseRequest) and o.get(REQUEST_ID) == rid  # not the worker's
+        ]
+        assert mine and all(not q._read_bytes for q in mine)
+        r.close()
+    assert w.stats.requests[-1].body == body  # the worker got it whole

@@ -214,6 +214,9 @@ class Relay:
         self, request: web.Request, lease: Lease, conn: UpstreamConnection
     ) -> web.StreamResponse:
         """Commit the worker's status and headers to the client and relay the body."""
+        # No retry can follow now: the request body and its JSON are not needed any more.
+        lease.info.release_body()
+        request._read_bytes = None  # aiohttp's copy of the body, kept for a second read()
         try:
             response = RelayResponse(
                 status=conn.status,

@@ -90,6 +90,14 @@ class RequestInfo:
                         break
         return "".join(parts)[:chars]
 
+    def release_body(self) -> None:
+        """Drop the body and its parsed JSON: once a worker's answer is being relayed, no
+        retry can need them, and a long prompt would otherwise stay in memory for the
+        whole stream (its size again in parsed form). What telemetry and the access log
+        read (model, stream, path, request id) stays."""
+        self.body = b""
+        self._doc = {}
+
     def with_model(self, model: str) -> RequestInfo:
         """A copy that asks for `model` instead, with the body rewritten to match."""
         doc = dict(self._doc)

@@ -172,8 +172,10 @@ class Routes:
         assert task is not None  # aiohttp runs every handler in a task
         self.active.add(task)
         try:
+            # The body is not kept in this frame: it lives as long as the stream does.
             body = await self._read_body(request)
             info = parse_request(request.path_qs, body, request_id, request.headers)
+            del body
             bind_request(request_id=request_id, model=info.model)
             info = self.aliases.resolve(info)
             tried: list[Worker] = []
