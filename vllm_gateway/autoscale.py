@@ -27,7 +27,6 @@ vllm-gateway-register@N first, whose agent drains the worker and deregisters it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from vllm_gateway.admission import Admission
 from vllm_gateway.config import AutoscaleConfig, ScaleRule
 from vllm_gateway.demand import ModelDemand, desired_workers, measure
 from vllm_gateway.log import get_logger
+from vllm_gateway.periodic import Periodic
 from vllm_gateway.workers import WorkerRegistry
 
 log = get_logger("vllm_gateway.autoscale")
@@ -123,7 +123,9 @@ class Autoscaler:
         self.events: deque[ScaleEvent] = deque(maxlen=EVENTS_KEPT)
         self.commands_run = 0  # scale commands run (dry runs excluded); telemetry reads it
         self.command_failures = 0
-        self._task: asyncio.Task[None] | None = None
+        self._steps = Periodic(
+            "autoscaler", self.step, lambda: self.config.interval, log, "autoscaler step failed"
+        )
 
     @property
     def runs_commands(self) -> bool:
@@ -311,18 +313,7 @@ class Autoscaler:
         }
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="autoscaler")
+        self._steps.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.interval)
-            try:
-                await self.step()
-            except Exception:  # a bug here must not end autoscaling for good
-                log.exception("autoscaler step failed")
+        await self._steps.stop()

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from vllm_gateway.config import DiscoveryConfig, DnsName
 from vllm_gateway.fleet import Fleet
 from vllm_gateway.log import get_logger
+from vllm_gateway.periodic import Periodic
 from vllm_gateway.workers import WorkerState
 
 log = get_logger("vllm_gateway.discovery")
@@ -35,6 +36,8 @@ SOURCE = "dns"
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 FAMILIES = {"any": socket.AF_UNSPEC, "ipv4": socket.AF_INET, "ipv6": socket.AF_INET6}
 RESOLVE_TIMEOUT_SECONDS = 5.0
+# Between two rounds, draining workers are looked at this often, so they leave soon after idle.
+RETIRING_LOOK_SECONDS = 1.0
 
 
 async def system_resolve(host: str, family: int) -> list[str]:
@@ -68,7 +71,10 @@ class DnsDiscovery:
         self.resolutions = 0  # telemetry reads these
         self.failures = 0
         self._failing: set[str] = set()
-        self._task: asyncio.Task[None] | None = None
+        self._next_round = 0.0  # loop.time() of the next resolution round
+        self._ticks = Periodic(
+            "dns-discovery", self._tick, self._pause, log, "DNS discovery round failed"
+        )
 
     def configure(self, config: DiscoveryConfig) -> None:
         """Take the names of a reloaded config; the next round applies them."""
@@ -154,26 +160,29 @@ class DnsDiscovery:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(RESOLVE_TIMEOUT_SECONDS):
                     await self.refresh()  # serve with the names' workers known
-        self._task = asyncio.create_task(self._loop(), name="dns-discovery")
+        self._next_round = _now() + self.config.interval
+        self._ticks.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._ticks.stop()
 
-    async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        next_round = loop.time() + self.config.interval
-        while True:
-            # Draining workers are looked at every second, so they leave soon after idle.
-            wake = min(next_round, loop.time() + 1.0) if self.retiring else next_round
-            await asyncio.sleep(max(0.0, wake - loop.time()))
-            try:
-                if loop.time() >= next_round:
-                    next_round = loop.time() + self.config.interval
-                    await self.refresh()
-                else:
-                    self._remove_idle()
-            except Exception:  # a bug here must not end discovery for good
-                log.exception("DNS discovery round failed")
+    def _pause(self) -> float:
+        now = _now()
+        wake = self._next_round
+        if self.retiring:
+            wake = min(wake, now + RETIRING_LOOK_SECONDS)
+        return max(0.0, wake - now)
+
+    async def _tick(self) -> None:
+        """A resolution round when one is due; else a look at the draining workers."""
+        now = _now()
+        if now >= self._next_round:
+            self._next_round = now + self.config.interval
+            await self.refresh()
+        else:
+            self._remove_idle()
+
+
+def _now() -> float:
+    # The clock asyncio.sleep counts in (uvloop's is coarser than time.monotonic()).
+    return asyncio.get_running_loop().time()

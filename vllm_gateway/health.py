@@ -18,6 +18,7 @@ import orjson
 
 from vllm_gateway.config import ProbeConfig
 from vllm_gateway.log import get_logger
+from vllm_gateway.periodic import Periodic
 from vllm_gateway.upstream import UpstreamPool
 from vllm_gateway.workers import Worker, WorkerRegistry, WorkerState
 
@@ -75,7 +76,9 @@ class Prober:
         self.api_key = api_key
         self._passes: dict[str, int] = {}
         self._fails: dict[str, int] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic(
+            "prober", self.probe_all, lambda: self.config.interval, log, "probe round failed"
+        )
 
     async def probe_all(self) -> None:
         """One round: probe every worker now and apply the results."""
@@ -135,18 +138,7 @@ class Prober:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.startup_wait):
                     await self.probe_all()
-        self._task = asyncio.create_task(self._loop(), name="prober")
+        self._rounds.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.interval)
-            try:
-                await self.probe_all()
-            except Exception:  # a bug here must not end probing for good
-                log.exception("probe round failed")
+        await self._rounds.stop()

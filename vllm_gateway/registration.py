@@ -25,8 +25,6 @@ nothing else), so a multi-process gateway may hand each request to all its proce
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +39,7 @@ from vllm_gateway.dispatch import Dispatcher
 from vllm_gateway.errors import BadRequest, Unauthorized
 from vllm_gateway.fleet import Fleet
 from vllm_gateway.log import get_logger
+from vllm_gateway.periodic import Periodic
 from vllm_gateway.request_info import RequestInfo
 from vllm_gateway.routes import json_response
 from vllm_gateway.workers import Worker, WorkerState
@@ -87,7 +86,9 @@ class Registration:
         self.heartbeats: dict[str, Heartbeat] = {}
         self.expired = 0  # workers removed for missing heartbeats (telemetry reads it)
         self.refused = 0  # registration requests refused (token or network)
-        self._task: asyncio.Task[None] | None = None
+        self._expiry = Periodic(
+            "heartbeat-expiry", self.expire, self._expiry_pause, log, "heartbeat expiry failed"
+        )
 
     def add_to(self, app: web.Application) -> None:
         r = app.router
@@ -221,25 +222,16 @@ class Registration:
                 removed.append(url)
         return removed
 
+    def _expiry_pause(self) -> float:
+        # A few looks per expiry period (bounded to 50 ms .. 5 s), so a worker is removed
+        # at most a quarter period late.
+        return max(0.05, min(self.config.heartbeat_expiry / 4, 5.0))
+
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="heartbeat-expiry")
+        self._expiry.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _loop(self) -> None:
-        # Check a few times per expiry period (bounded to 50 ms .. 5 s), so a worker is
-        # removed at most a quarter period late.
-        period = max(0.05, min(self.config.heartbeat_expiry / 4, 5.0))
-        while True:
-            await asyncio.sleep(period)
-            try:
-                self.expire()
-            except Exception:  # a bug here must not end expiry for good
-                log.exception("heartbeat expiry failed")
+        await self._expiry.stop()
 
 
 def _queue_length(status: dict[str, Any]) -> float | None:

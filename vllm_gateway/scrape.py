@@ -30,6 +30,7 @@ import aiohttp
 
 from vllm_gateway.config import ScrapeConfig
 from vllm_gateway.log import get_logger
+from vllm_gateway.periodic import Periodic
 from vllm_gateway.upstream import UpstreamPool
 from vllm_gateway.workers import EngineStats, Worker, WorkerRegistry
 
@@ -177,8 +178,10 @@ class Scraper:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._busy: set[Worker] = set()  # workers with a scrape in flight
         self._last_ok: dict[Worker, float] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # scrapes in flight
+        self._ticks = Periodic(
+            "scraper", self._tick, lambda: self.config.interval, log, "scrape tick failed"
+        )
         # Telemetry, read at scrape time by the metrics endpoint.
         self.scrapes = 0
         self.failures = 0
@@ -231,24 +234,24 @@ class Scraper:
             elif now - self._last_ok[worker] > self.config.stale_after and worker.stats:
                 self.registry.set_stats(worker, None)
 
+    def _tick(self) -> None:
+        """Start a scrape of each idle worker, without waiting for slow ones; expire."""
+        for worker in self.registry:
+            if worker not in self._busy:
+                task = asyncio.create_task(self._guarded(worker))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        self.expire(time.monotonic())
+
     async def start(self) -> None:
-        self._loop_task = asyncio.create_task(self._loop(), name="scraper")
+        self._tick()
+        self._ticks.start()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
+        await self._ticks.stop()
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-    async def _loop(self) -> None:
-        # Each tick starts scrapes for idle workers without waiting for slow ones.
-        while True:
-            for worker in self.registry:
-                if worker not in self._busy:
-                    task = asyncio.create_task(self._guarded(worker))
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
-            self.expire(time.monotonic())
-            await asyncio.sleep(self.config.interval)
