@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 
 from tests.conftest import wait_until
-from vllm_gateway.app import GATEWAY, REGISTRY, apply_config
+from vllm_gateway.app import GATEWAY, REGISTRY
 from vllm_gateway.config import ModelConfig, TimeoutConfig, WorkerSpec
 from vllm_gateway.errors import ConfigError
+from vllm_gateway.reload import apply_config
 from vllm_gateway.workers import WorkerState
 
 pytestmark = pytest.mark.timeout(30)

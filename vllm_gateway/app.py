@@ -1,5 +1,4 @@
-"""create_app(config): the one place where the gateway's objects are built and wired;
-apply_config(app, new): the one place a running app is made to follow a reloaded config.
+"""create_app(config): the one place where the gateway's objects are built and wired.
 
 Everything with a lifetime (the connection pool, the probes, the scrapes) starts and stops
 through `cleanup_ctx`, in order, so a test can build a whole gateway, run it on port 0 and stop it
@@ -8,7 +7,6 @@ without leaving a task or a socket behind.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,7 +14,6 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from vllm_gateway import log as logging_setup
 from vllm_gateway.access_log import AccessLog
 from vllm_gateway.admin import AdminApi
 from vllm_gateway.aliases import AliasTable, check_alias
@@ -34,49 +31,22 @@ from vllm_gateway.policies import Policy, check_policy_name, make_policy
 from vllm_gateway.registration import Registration
 from vllm_gateway.relay import Relay
 from vllm_gateway.routes import ERROR_HOOKS, Routes, error_middleware
-from vllm_gateway.scrape import MetricNames, Scraper
+from vllm_gateway.scrape import Scraper
 from vllm_gateway.siblings import Siblings
 from vllm_gateway.status import StatusViews
 from vllm_gateway.telemetry import ReloadCounters, RequestMetrics
 from vllm_gateway.upstream import UpstreamPool
 from vllm_gateway.workers import WorkerRegistry, WorkerState
 
-# The configuration the app was built with. A reload changes `app[GATEWAY].config`.
-CONFIG = web.AppKey("config", GatewayConfig)
+# Typed keys to the parts tests and tools reach for (`app[GATEWAY]` below holds the rest).
 REGISTRY = web.AppKey("registry", WorkerRegistry)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
-PROBER = web.AppKey("prober", Prober)
-SCRAPER = web.AppKey("scraper", Scraper)
-PROCESS_INDEX = web.AppKey("process_index", int)
-SIBLINGS = web.AppKey("siblings", Siblings)
-BREAKER = web.AppKey("breaker", CircuitBreaker)
-FLEET = web.AppKey("fleet", Fleet)
 ALIASES = web.AppKey("aliases", AliasTable)
 REGISTRATION = web.AppKey("registration", Registration)
 AUTOSCALER = web.AppKey("autoscaler", Autoscaler)
 DISCOVERY = web.AppKey("discovery", DnsDiscovery)
 
 log = get_logger("vllm_gateway.app")
-
-# Settings a running app cannot change: a reload reports them as waiting for a restart.
-RESTART_ONLY = (
-    "host",
-    "port",
-    "processes",
-    "max_body_bytes",
-    "timeouts.connect",
-    "client.header_timeout",
-    "client.max_header_bytes",
-    "client.max_headers",
-    "auth.forward_authorization",
-    "auth.worker_api_key",
-    "registration",
-    "telemetry.metrics",
-    "telemetry.status_page",
-)
-# Where each worker came from. A reload owns the "static" ones (the config file's) only;
-# registered, admin-added and DNS-discovered workers have their own owners.
-CONFIG_SOURCES = frozenset({"static"})
 
 
 @dataclass
@@ -150,7 +120,7 @@ def check_app_config(config: GatewayConfig) -> None:
         raise ConfigError(problems)
 
 
-def _policies(config: GatewayConfig, rng: random.Random) -> tuple[Policy, dict[str, Policy]]:
+def policies_for(config: GatewayConfig, rng: random.Random) -> tuple[Policy, dict[str, Policy]]:
     """The default policy and the per-model ones, as `config` names them."""
     per_model = {
         model: make_policy(settings.policy, rng, config.dispatch)
@@ -179,7 +149,7 @@ def create_app(
     registry = WorkerRegistry()
     for spec in config.workers:
         registry.add(normalize_url(spec.url), models=spec.models, weight=spec.weight)
-    policy, per_model = _policies(config, rng)
+    policy, per_model = policies_for(config, rng)
     dispatcher = Dispatcher(
         registry,
         policy,
@@ -263,14 +233,8 @@ def create_app(
         discovery,
         keys=keys,
     )
-    app[CONFIG] = config
     app[REGISTRY] = registry
     app[DISPATCHER] = dispatcher
-    app[PROBER] = prober
-    app[SCRAPER] = scraper
-    app[PROCESS_INDEX] = process_index
-    app[BREAKER] = breaker
-    app[FLEET] = fleet
     app[ALIASES] = aliases
     app[REGISTRATION] = registration
     app[AUTOSCALER] = autoscaler
@@ -316,7 +280,6 @@ def create_app(
 
     app.cleanup_ctx.extend([upstream_ctx, prober_ctx, scraper_ctx, fleet_ctx])
     if siblings is not None:
-        app[SIBLINGS] = siblings
         status.process, status.siblings = process_index, siblings
 
         async def siblings_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -355,126 +318,3 @@ def _warn_if_registration_open(config: GatewayConfig) -> None:
             host=config.host,
             allowed_networks=list(config.registration.allowed_networks),
         )
-
-
-def apply_config(app: web.Application, new: GatewayConfig) -> list[str]:
-    """Make a running app follow `new` (validated by load_config); return what changed.
-
-    Raises ConfigError, having changed nothing, when `new` fails the app's own checks.
-    In-flight requests are untouched: a worker dropped from the config drains (no new
-    requests) and leaves the registry when its last request ends; a new policy or new
-    timeouts apply to requests dispatched from now on.
-    """
-    check_app_config(new)
-    g = app[GATEWAY]
-    old = g.config
-    changes = _apply_workers(g, new)
-    if (new.policy, new.dispatch, new.models) != (old.policy, old.dispatch, old.models):
-        g.dispatcher.policy, g.dispatcher.policy_for_model = _policies(new, g.dispatcher.rng)
-        g.dispatcher.configure(new.dispatch)
-        if new.policy != old.policy:
-            changes.append(f"policy: {old.policy} -> {new.policy}")
-        if (new.dispatch, new.models) != (old.dispatch, old.models):
-            changes.append("dispatch settings or per-model policies changed")
-    if new.retry != old.retry:
-        g.dispatcher.retry = new.retry
-        changes.append("retry settings changed")
-    if new.timeouts != old.timeouts:
-        g.relay.timeouts = new.timeouts
-        changes.append("timeouts changed")
-    if new.probe != old.probe:
-        g.prober.config = new.probe
-        changes.append("probe settings changed")
-    if new.scrape != old.scrape:
-        g.scraper.config = new.scrape
-        g.scraper.names = MetricNames.from_config(new.scrape)
-        changes.append("scrape settings changed")
-    if new.log != old.log:
-        if (new.log.format, new.log.level) != (old.log.format, old.log.level):
-            logging_setup.configure(new.log.format, new.log.level)
-        g.set_access_log(new.log.access_log)
-        changes.append(
-            f"log: format {new.log.format}, level {new.log.level}, "
-            f"access log {'on' if new.log.access_log else 'off'}"
-        )
-    if new.breaker != old.breaker:
-        g.breaker.config = new.breaker
-        changes.append("breaker settings changed")
-    if new.aliases != old.aliases:
-        g.aliases.load_config(new.aliases)
-        changes.append("aliases changed")
-    if new.admin != old.admin:
-        g.admin.token = new.admin.token
-        g.admin.drain_timeout = new.admin.drain_timeout
-        changes.append("admin settings changed")
-    if new.auth.keys != old.auth.keys:
-        assert g.keys is not None
-        g.keys.load(new.auth.keys)
-        changes.append(f"client API keys: {len(new.auth.keys)} configured")
-    if new.client.body_timeout != old.client.body_timeout:
-        g.routes.body_timeout = new.client.body_timeout
-        changes.append(f"client.body_timeout: {new.client.body_timeout:g} s")
-    if new.autoscale != old.autoscale:
-        g.autoscaler.config = new.autoscale
-        changes.append("autoscale settings changed")
-    if new.discovery != old.discovery:
-        g.discovery.configure(new.discovery)
-        changes.append("discovery settings changed")
-    if new.lifecycle != old.lifecycle:
-        changes.append("lifecycle settings changed")  # read when the next stop begins
-    for key in RESTART_ONLY:
-        if _get(old, key) != _get(new, key):
-            changes.append(f"{key}: {_shown(new, key)} takes effect at the next restart")
-    g.config = g.status.config = new
-    return changes
-
-
-def _apply_workers(g: Gateway, new: GatewayConfig) -> list[str]:
-    """Add, reconfigure and retire the config's own (static) workers."""
-    registry = g.registry
-    wanted = {normalize_url(spec.url): spec for spec in new.workers}
-    changes: list[str] = []
-    for worker in registry:
-        if worker.source in CONFIG_SOURCES and worker.url not in wanted:
-            if worker.inflight:
-                g.retiring.add(worker.url)
-                g.fleet.drain(worker, "removed from the configuration")
-                changes.append(f"worker draining: {worker.url} ({worker.inflight} in flight)")
-            else:
-                g.fleet.remove(worker.url, "removed from the configuration")
-                changes.append(f"worker removed: {worker.url}")
-    for url, spec in wanted.items():
-        worker = registry.get(url)
-        if worker is None:
-            registry.add(url, models=spec.models, weight=spec.weight)
-            g.prober.forget(url)  # probed by the reload before READY (daemon.py)
-            changes.append(f"worker added: {url}")
-            continue
-        if worker.source not in CONFIG_SOURCES:
-            continue  # known from elsewhere (registered, admin): its owner decides
-        if url in g.retiring:  # dropped by an earlier reload, listed again: take it back
-            g.retiring.discard(url)
-            registry.set_state(worker, WorkerState.JOINING, "back in the configuration")
-            g.breaker.reset(worker, "back in the configuration")
-            changes.append(f"worker back: {url}")
-        if registry.reconfigure(worker, models=spec.models, weight=spec.weight):
-            changes.append(f"worker reconfigured: {url}")
-    return changes
-
-
-def _get(config: object, dotted: str) -> object:
-    for part in dotted.split("."):
-        config = getattr(config, part)
-    return config
-
-
-def _shown(config: object, dotted: str) -> str:
-    """A setting's new value for the reload log: never a secret, nor a whole section (which
-    may hold one, e.g. registration.token)."""
-    parent, _, name = dotted.rpartition(".")
-    owner = _get(config, parent) if parent else config
-    field = next(f for f in dataclasses.fields(owner) if f.name == name)  # type: ignore[arg-type]
-    value = getattr(owner, name)
-    if field.metadata.get("secret") or dataclasses.is_dataclass(value):
-        return "(changed)"
-    return repr(value)

@@ -27,10 +27,11 @@ import time
 from collections.abc import Callable, Mapping
 
 from vllm_gateway import log as logging_setup
-from vllm_gateway.app import GATEWAY, apply_config, create_app
+from vllm_gateway.app import GATEWAY, create_app
 from vllm_gateway.config import GatewayConfig
 from vllm_gateway.errors import ConfigError
 from vllm_gateway.log import get_logger
+from vllm_gateway.reload import apply_config
 from vllm_gateway.sd_notify import Notifier
 from vllm_gateway.server import RunningServer, new_event_loop, start_server
 from vllm_gateway.workers import WorkerState
