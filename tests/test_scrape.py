@@ -6,11 +6,13 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import wait_until
 from vllm_gateway.config import ScrapeConfig
 from vllm_gateway.scrape import MetricNames, Scraper, parse_labels, parse_metrics
+from vllm_gateway.server import start_server
 from vllm_gateway.upstream import UpstreamPool
 from vllm_gateway.workers import EngineStats, WorkerRegistry, WorkerState
 
@@ -157,3 +159,31 @@ def test_set_stats_keeps_requests_sent_while_the_scrape_was_out():
     assert (worker.sent_since_scrape, worker.finished_since_scrape) == (2, 1)
     registry.set_stats(worker, None)
     assert worker.stats is None and worker.sent_since_scrape == 2
+
+
+async def test_a_request_that_ends_while_the_scrape_is_out_is_not_taken_off_twice():
+    """The page already shows the finished request gone; the one sent meanwhile is not on it
+    yet. The worker must look as busy as it is: one request of the gateway's own on top of
+    an empty page, not zero (which would give its token bucket room it does not have)."""
+    registry = WorkerRegistry()
+
+    async def metrics(request: web.Request) -> web.Response:
+        # While the GET is out, the gateway sees one request end and sends the next.
+        worker.finished_since_scrape += 1
+        worker.sent_since_scrape += 1
+        page = "vllm:num_requests_running 0.0\nvllm:num_requests_waiting 0.0\n"
+        return web.Response(text=page)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    server = await start_server(app, "127.0.0.1", 0)
+    worker, _ = registry.add(server.url)
+    pool = UpstreamPool(1.0)
+    await pool.open()
+    try:
+        assert await Scraper(registry, pool, ScrapeConfig()).scrape_worker(worker)
+    finally:
+        await pool.close()
+        await server.stop()
+    assert worker.stats is not None and worker.stats.running == 0
+    assert worker.sent_since_scrape - worker.finished_since_scrape == 1

@@ -188,9 +188,12 @@ class Scraper:
 
     async def scrape_worker(self, worker: Worker) -> bool:
         """Scrape one worker now and record the result; return whether it worked."""
-        # Requests sent or finished while the GET is out may or may not be in the page;
-        # counting them as "since the scrape" errs toward a busier worker, never a herd.
-        sent, finished = worker.sent_since_scrape, worker.finished_since_scrape
+        # Requests sent or finished while the GET is out may or may not be in the page. To
+        # err toward a busier worker, never a herd, those sent meanwhile count as sent since
+        # the scrape (counted on top of the page), and those finished meanwhile as already
+        # gone from it (not taken off the page again): `sent` is read before the GET,
+        # `finished` after it.
+        sent = worker.sent_since_scrape
         timeout = aiohttp.ClientTimeout(total=self.config.timeout)
         url = worker.url + "/metrics"
         self.scrapes += 1
@@ -210,6 +213,7 @@ class Scraper:
         if self.registry.get(worker.url) is not worker:
             return False  # removed while the scrape was out
         self._last_ok[worker] = now
+        finished = worker.finished_since_scrape
         self.registry.set_stats(worker, stats, sent=sent, finished=finished)
         return True
 
