@@ -20,8 +20,10 @@ from vllm_gateway.server import start_server
 pytestmark = pytest.mark.timeout(90)
 
 TOKEN = "scale-admin-token"
-WORKER = FakeWorkerConfig(models=("m",), tpot_ms=20, ttft_ms=2)
-TOKENS = 20  # ~0.4 s per stream
+# ~0.4 s per stream, at a modest chunk rate: 24 SDK clients parsing chunks must leave the
+# test's one process room to run the scale commands on a loaded machine.
+WORKER = FakeWorkerConfig(models=("m",), tpot_ms=40, ttft_ms=2)
+TOKENS = 10  # and up to 6 more (see Ramp)
 
 
 class Machines:
@@ -69,7 +71,14 @@ class Machines:
 
 
 class Ramp:
-    """Streaming clients whose number follows a script."""
+    """Streaming clients whose number follows a script.
+
+    Their demand must be steady: clients that start together and ask for answers of one
+    length end and start again in step, and an evaluation that falls in that gap (long on
+    a loaded machine, where restarting ten SDK clients takes a while) sees little demand,
+    which the scale-up window then takes as the truth. So each client starts a little
+    after the one before it and asks for its own answer length.
+    """
 
     def __init__(self, c: openai.AsyncOpenAI, most: int) -> None:
         self.c = c
@@ -80,16 +89,22 @@ class Ramp:
         self._tasks = [asyncio.create_task(self._client(i)) for i in range(most)]
 
     async def _client(self, i: int) -> None:
+        tokens = TOKENS + 2 * (i % 4)
+        active = False
         while not self._stop:
             if i >= self.concurrency:
+                active = False
                 await asyncio.sleep(0.02)
                 continue
+            if not active:
+                active = True
+                await asyncio.sleep(0.03 * (i % 10))
             try:
                 stream = await self.c.completions.create(
-                    model="m", prompt="x", max_tokens=TOKENS, stream=True
+                    model="m", prompt="x", max_tokens=tokens, stream=True
                 )
                 text = "".join([ch.choices[0].text async for ch in stream if ch.choices])
-                if text != "".join(f" w{k}" for k in range(TOKENS)):
+                if text != "".join(f" w{k}" for k in range(tokens)):
                     self.failures.append("truncated")
                 self.completed += 1
             except openai.APIError as e:
@@ -158,21 +173,35 @@ async def test_autoscaler_follows_a_demand_ramp_within_bounds_without_flapping(
             counts.append(len(registry.serving("m")))
             await asyncio.sleep(0.05)
 
+    async def hold_until(concurrency: int, calls: int, timeout: float) -> None:
+        """Hold the demand until the autoscaler ran `calls` commands in all (bounded)."""
+        ramp.concurrency = concurrency
+        deadline = time.monotonic() + timeout
+        while len(machines.calls) < calls:
+            assert time.monotonic() < deadline, (concurrency, machines.calls)
+            counts.append(len(registry.serving("m")))
+            await asyncio.sleep(0.05)
+
+    # Each step holds a demand until the commands it calls for have run (however long a
+    # loaded machine takes to run them), then a while longer: longer than the scale-up
+    # window and the cooldown, so a command too many would show.
     try:
         await hold(0, 0.8)
         assert machines.calls == []  # no demand, at the minimum: nothing to do
-        await hold(10, 2.5)  # ceil(10 / 6) = 2 workers
-        assert machines.calls == [("up", 2)]
-        await hold(24, 3.0)  # ceil(24 / 6) = 4 = the maximum
-        assert machines.calls[1:] == [("up", 3), ("up", 4)]
+        await hold_until(10, 1, timeout=15)
+        await hold(10, 1.2)
+        assert machines.calls == [("up", 2)]  # ceil(10 / 6) = 2 workers
+        await hold_until(24, 3, timeout=20)
+        await hold(24, 1.2)
+        assert machines.calls[1:] == [("up", 3), ("up", 4)]  # ceil(24 / 6) = 4 = the maximum
         async with http.get(
             gw.url + "/admin/scale", headers={"Authorization": f"Bearer {TOKEN}"}
         ) as r:
             view = await r.json()
         assert view["models"]["m"]["desired"] == 4 and view["models"]["m"]["max_workers"] == 4
         assert view["models"]["m"]["demand"] > 12
-        await hold(3, 2.5)  # fits on one worker at 70 % of the target: down to 1
-        await hold(0, 2.5)  # nothing: stay at the minimum
+        await hold_until(3, 6, timeout=20)  # fits on one worker at 70 % of the target: down to 1
+        await hold(0, 1.5)  # nothing: stay at the minimum
         await ramp.stop()
     finally:
         await ramp.stop()
