@@ -193,14 +193,17 @@ async def test_registry_changes_wake_the_queue():
     assert order and order[0][1].worker is b
     release.set()
     await task
-    # Every worker gone while requests wait: they get 503 at once, not at the timeout.
+    # Every worker gone while requests wait: they get 503 at once (the transition itself
+    # wakes the queue), not at the timeout (max_queue_wait: 30 s).
     full(registry, b)
     waiting = asyncio.create_task(hold(d, 1, [], asyncio.Event()))
     await asyncio.sleep(0.01)
     registry.set_state(a, WorkerState.UNHEALTHY, "probe failed")
+    assert d.admission.depth == 1  # b is full, not gone: still waiting
     registry.set_state(b, WorkerState.DRAINING, "admin")
+    assert d.admission.depth == 0  # failed within the transition, before any other event
     with pytest.raises(NoWorkerAvailable):
-        await waiting
+        await asyncio.wait_for(waiting, 1.0)
 
 
 async def test_load_blind_policies_never_queue():
