@@ -288,6 +288,39 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
         )
 
 
+def start_relays(
+    backend_url: str, router_bin: str | None, procs: list[Proc], *, direct: bool = True
+) -> list[tuple[str, str, Proc | None]]:
+    """The targets to measure as (name, url, relay process): the backend itself (`direct`),
+    the gateway, and vllm-router when installed, each started in front of `backend_url`
+    and added to `procs` (which the caller stops)."""
+    gateway, gw_url = start_gateway(backend_url)
+    procs.append(gateway)
+    targets: list[tuple[str, str, Proc | None]] = [("direct", backend_url, None)] if direct else []
+    targets.append(("gateway", gw_url, gateway))
+    if router_bin:
+        router, router_url = start_router(router_bin, backend_url)
+        procs.append(router)
+        targets.append(("vllm-router", router_url, router))
+    return targets
+
+
+def measure_rounds(
+    args: argparse.Namespace,
+    targets: list[tuple[str, str, Proc | None]],
+    measure: Callable[[str, Proc | None], dict],
+) -> dict[str, list[dict]]:
+    """`args.runs` rounds, each measuring every target in turn (so drifts in the machine's
+    load touch them all alike); each target's results in run order."""
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in targets}
+    for i in range(args.runs):
+        for name, url, relay in targets:
+            r = measure(url, relay)
+            runs[name].append(r)
+            print(f"  run {i + 1} {name}: {json.dumps(r)}", file=sys.stderr)
+    return runs
+
+
 # --- modes ------------------------------------------------------------------------------
 
 
@@ -295,24 +328,12 @@ def mode_requests(args: argparse.Namespace, router_bin: str | None) -> dict:
     backend, backend_url = requests_backend(args)
     procs = [backend]
     try:
-        gateway, gw_url = start_gateway(backend_url)
-        procs.append(gateway)
-        targets: list[tuple[str, str, Proc | None]] = [
-            ("direct", backend_url, None),
-            ("gateway", gw_url, gateway),
-        ]
-        if router_bin:
-            router, router_url = start_router(router_bin, backend_url)
-            procs.append(router)
-            targets.append(("vllm-router", router_url, router))
+        targets = start_relays(backend_url, router_bin, procs)
         for _, url, _ in targets:  # warm up: connections, caches, the JIT-less interpreter
             requests_load(argparse.Namespace(**{**vars(args), "duration": 1.0}), url)
-        runs: dict[str, list[dict]] = {name: [] for name, _, _ in targets}
-        for i in range(args.runs):
-            for name, url, relay in targets:
-                r = measure_requests(args, url, relay, backend)
-                runs[name].append(r)
-                print(f"  run {i + 1} {name}: {json.dumps(r)}", file=sys.stderr)
+        runs = measure_rounds(
+            args, targets, lambda url, relay: measure_requests(args, url, relay, backend)
+        )
     finally:
         for p in procs:
             p.stop()
@@ -355,22 +376,10 @@ def mode_stream(args: argparse.Namespace, router_bin: str | None) -> dict:
     backend, backend_url = start_backend(args, args.chunks, args.pace_ms)
     procs = [backend]
     try:
-        gateway, gw_url = start_gateway(backend_url)
-        procs.append(gateway)
-        targets: list[tuple[str, str, Proc | None]] = [
-            ("direct", backend_url, None),
-            ("gateway", gw_url, gateway),
-        ]
-        if router_bin:
-            router, router_url = start_router(router_bin, backend_url)
-            procs.append(router)
-            targets.append(("vllm-router", router_url, router))
-        runs: dict[str, list[dict]] = {name: [] for name, _, _ in targets}
-        for i in range(args.runs):
-            for name, url, relay in targets:
-                r = measure_streams(args, url, relay, args.streams)
-                runs[name].append(r)
-                print(f"  run {i + 1} {name}: {json.dumps(r)}", file=sys.stderr)
+        targets = start_relays(backend_url, router_bin, procs)
+        runs = measure_rounds(
+            args, targets, lambda url, relay: measure_streams(args, url, relay, args.streams)
+        )
     finally:
         for p in procs:
             p.stop()
@@ -430,13 +439,9 @@ def mode_hold(args: argparse.Namespace, router_bin: str | None) -> dict:
     procs = [backend]
     results: dict[str, dict] = {}
     try:
-        gateway, gw_url = start_gateway(backend_url)
-        procs.append(gateway)
-        targets: list[tuple[str, str, Proc]] = [("gateway", gw_url, gateway)]
-        if router_bin and args.hold_router:
-            router, router_url = start_router(router_bin, backend_url)
-            procs.append(router)
-            targets.append(("vllm-router", router_url, router))
+        targets = start_relays(
+            backend_url, router_bin if args.hold_router else None, procs, direct=False
+        )
         hold_args = argparse.Namespace(
             **{**vars(args), "chunks": chunks, "pace_ms": pace_ms, "ramp": args.hold_ramp}
         )
@@ -478,12 +483,9 @@ def mode_processes(args: argparse.Namespace, router_bin: str | None) -> dict:
         targets = [("1 process", url1, one), ("2 processes", url2, two)]
         for _, url, _ in targets:
             requests_load(argparse.Namespace(**{**vars(args), "duration": 1.0}), url)
-        runs: dict[str, list[dict]] = {name: [] for name, _, _ in targets}
-        for i in range(args.runs):
-            for name, url, relay in targets:
-                r = measure_requests(args, url, relay, backend)
-                runs[name].append(r)
-                print(f"  run {i + 1} {name}: {json.dumps(r)}", file=sys.stderr)
+        runs = measure_rounds(
+            args, targets, lambda url, relay: measure_requests(args, url, relay, backend)
+        )
     finally:
         for p in procs:
             p.stop()
