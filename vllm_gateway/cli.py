@@ -15,9 +15,7 @@ import click
 from vllm_gateway import __version__
 from vllm_gateway.config import GatewayConfig, load_config
 from vllm_gateway.errors import ConfigError
-from vllm_gateway.fleet_cli import COMMANDS
-
-CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+from vllm_gateway.fleet_cli import COMMANDS, CONTEXT
 
 
 @click.group(context_settings=CONTEXT)

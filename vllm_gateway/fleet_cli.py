@@ -30,10 +30,9 @@ def _given(**values: Any) -> dict[str, Any]:
     return {k: v for k, v in values.items() if v is not None}
 
 
-def _admin_call(ctx: click.Context, call: Callable[[AdminClient], Awaitable[T]]) -> T:
+def _with_admin(gateway: str, token: str | None, call: Callable[[AdminClient], Awaitable[T]]) -> T:
+    """Run `call` with a client of the gateway's admin API; its errors end the command."""
     from vllm_gateway.admin_client import AdminClient, AdminError
-
-    gateway, token = ctx.obj["gateway"], ctx.obj["token"]
 
     async def go() -> T:
         async with AdminClient(gateway, token) as admin:
@@ -43,6 +42,11 @@ def _admin_call(ctx: click.Context, call: Callable[[AdminClient], Awaitable[T]])
         return asyncio.run(go())
     except AdminError as e:
         raise click.ClickException(f"{gateway}: {e}") from None
+
+
+def _admin_call(ctx: click.Context, call: Callable[[AdminClient], Awaitable[T]]) -> T:
+    """`_with_admin` for the `workers` subcommands (their group holds gateway and token)."""
+    return _with_admin(ctx.obj["gateway"], ctx.obj["token"], call)
 
 
 def _gateway_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -333,7 +337,6 @@ def rollout(
     """Replace the workers of a model one at a time: drain, wait idle, remove, run the
     command or wait for a replacement, shift traffic. Aborts cleanly (exit 1) when a
     replacement does not become ready; the workers not yet replaced keep serving."""
-    from vllm_gateway.admin_client import AdminClient, AdminError
     from vllm_gateway.rollout import Rollout, RolloutPlan
 
     if alias and not to_model:
@@ -351,16 +354,8 @@ def rollout(
         ),
     )
 
-    async def go() -> bool:
-        async with AdminClient(gateway, token) as admin:
-            result = await Rollout(admin, plan, lambda line: click.echo(line)).run()
-        return result.ok
-
-    try:
-        ok = asyncio.run(go())
-    except AdminError as e:
-        raise click.ClickException(f"{gateway}: {e}") from None
-    sys.exit(0 if ok else 1)
+    result = _with_admin(gateway, token, lambda admin: Rollout(admin, plan, click.echo).run())
+    sys.exit(0 if result.ok else 1)
 
 
 COMMANDS = (register, workers, rollout)
