@@ -48,15 +48,6 @@ log = get_logger("vllm_gateway.registration")
 
 WHAT = "registration API"
 
-# Paths that change state; a multi-process gateway hands each such request to every process.
-CONTROL_PATHS = (
-    "/register_worker",
-    "/receive_heart_beat",
-    "/refresh_all_workers",
-    "/drain_worker",
-    "/unregister_worker",
-)
-
 
 @dataclass(slots=True)
 class Heartbeat:

@@ -35,7 +35,7 @@ SIBLING_HEADER = "X-Gateway-Sibling"
 CONTROL_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 CONTROL_PREFIXES = ("/admin/",)
 # FastChat's registration paths, and the two the `vllm-gateway register` agent adds
-# (registration.CONTROL_PATHS).
+# (registration.py serves them).
 CONTROL_PATHS = frozenset(
     {
         "/register_worker",
@@ -155,16 +155,13 @@ class Siblings:
         return siblings_middleware
 
     async def _merged_list_workers(self, request: web.Request, handler: Handler):
-        local, others = await asyncio.gather(handler(request), self.broadcast(request, b""))
-        self.fanned_out -= 1  # a read, not a control request
+        local, others = await asyncio.gather(handler(request), self.collect(request))
         if not isinstance(local, web.Response) or local.status != 200 or local.body is None:
             return local
         doc = orjson.loads(local.body)  # type: ignore[arg-type]
         by_url = {w["url"]: w for w in doc.get("workers", [])}
         for answer in others:
-            if answer is None or answer[0] != 200:
-                continue
-            for w in orjson.loads(answer[1]).get("workers", []):
+            for w in orjson.loads(answer).get("workers", []):
                 mine = by_url.get(w.get("url"))
                 if mine is None:
                     continue
