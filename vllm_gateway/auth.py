@@ -19,8 +19,9 @@ configured the API is open. Guarded: every path under /v1/ and vLLM's root-level
 endpoints. Not guarded: /health, /metrics, the status page and the fleet's read-only
 endpoints; the admin and registration APIs have their own tokens (access.py).
 
-A refusal counts in `ClientKeys.unauthorized` or `.rate_limited` (for /metrics) and logs one
-DEBUG line with the peer and the key's name when known, never the key.
+A refusal counts in `ClientKeys.unauthorized` or `.rate_limited` (and, like every error the
+gateway answers, in /metrics' `vllm_gateway_errors_total` by code) and logs one DEBUG line
+with the peer and the key's name when known, never the key.
 """
 
 from __future__ import annotations

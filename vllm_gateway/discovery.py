@@ -68,8 +68,7 @@ class DnsDiscovery:
         self.resolve = resolve
         self.owned: dict[str, set[str]] = {}  # DNS name URL -> worker URLs it added
         self.retiring: set[str] = set()  # gone from DNS, draining until idle
-        self.resolutions = 0  # telemetry reads these
-        self.failures = 0
+        self.failures = 0  # resolutions that failed (a name that stops resolving logs once)
         self._failing: set[str] = set()
         self._next_round = 0.0  # loop.time() of the next resolution round
         self._ticks = Periodic(
@@ -96,7 +95,6 @@ class DnsDiscovery:
 
     async def _resolve(self, name: DnsName) -> list[str] | None:
         host = urlsplit(name.url).hostname or ""
-        self.resolutions += 1
         try:
             async with asyncio.timeout(RESOLVE_TIMEOUT_SECONDS):
                 addresses = await self.resolve(host, FAMILIES[name.family])

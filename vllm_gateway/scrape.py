@@ -217,10 +217,6 @@ class Scraper:
         self.registry.set_stats(worker, stats, sent=sent, finished=finished)
         return True
 
-    async def scrape_all(self) -> None:
-        """One round: scrape every worker that has no scrape in flight, and wait for them."""
-        await asyncio.gather(*(self._guarded(w) for w in self.registry if w not in self._busy))
-
     async def _guarded(self, worker: Worker) -> None:
         self._busy.add(worker)
         try:

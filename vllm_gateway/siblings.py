@@ -83,8 +83,6 @@ class Siblings:
         self.control_dir = control_dir
         self.path = socket_path(control_dir, index)
         self._sessions: list[aiohttp.ClientSession] = []
-        self.fanned_out = 0  # control requests re-sent to the siblings
-        self.fanout_failures = 0  # siblings that could not be told
 
     async def open(self) -> None:
         for i in range(self.count):
@@ -111,7 +109,6 @@ class Siblings:
             async with session.request(method, path, headers=headers, data=body) as r:
                 return r.status, await r.read()
         except (aiohttp.ClientError, TimeoutError) as e:
-            self.fanout_failures += 1
             log.warning("sibling unreachable", path=path, error=f"{type(e).__name__}: {e}")
             return None
 
@@ -119,7 +116,6 @@ class Siblings:
         """Re-send `request` (with `body`) to every sibling; their answers, None if failed."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
         headers[SIBLING_HEADER] = str(self.index)
-        self.fanned_out += 1
         return await asyncio.gather(
             *(self._send(s, request.method, request.path_qs, headers, body) for s in self._sessions)
         )
@@ -130,9 +126,8 @@ class Siblings:
         return _from_sibling(request)
 
     async def collect(self, request: web.Request) -> list[bytes]:
-        """Each sibling's own answer (body) to this GET; a read, not counted as a fan-out."""
+        """Each sibling's own answer (body) to this GET; siblings that failed are left out."""
         answers = await self.broadcast(request, b"")
-        self.fanned_out -= 1
         return [a[1] for a in answers if a is not None and a[0] == 200]
 
     def middleware(self) -> Callable:

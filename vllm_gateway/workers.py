@@ -14,7 +14,6 @@ the one predicate every policy asks: ready, and a circuit that lets a request th
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -53,7 +52,6 @@ class Worker:
     """One vLLM server behind the gateway, and what the gateway knows of it right now."""
 
     __slots__ = (
-        "added_at",
         "breaker_openings",
         "circuit",
         "completed",
@@ -98,7 +96,6 @@ class Worker:
         self.pace = 0.0
         self.completed = 0
         self.failed = 0
-        self.added_at = time.monotonic()
         self.circuit = Circuit.CLOSED
         self.consecutive_failures = 0  # failed leases since the last success (breaker.py)
         self.breaker_openings = 0  # times the circuit opened (telemetry reads it)
