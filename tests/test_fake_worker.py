@@ -346,7 +346,10 @@ async def gauges(http: aiohttp.ClientSession, worker: FakeWorker) -> dict[str, f
 async def test_batch_runs_at_most_max_num_seqs_rest_wait_fifo(
     make_worker: MakeWorker, http: aiohttp.ClientSession
 ) -> None:
-    worker = await make_worker(max_num_seqs=2, ttft_ms=1, tpot_ms=20, lora_adapters=("la",))
+    # Each request holds its slot 0.4 s: time enough to look at the full batch before the
+    # first one ends, even on a loaded machine. The second starts 50 ms after the first,
+    # so the two slots free up 50 ms apart and the order of the finishes is well defined.
+    worker = await make_worker(max_num_seqs=2, ttft_ms=1, tpot_ms=80, lora_adapters=("la",))
     finished: list[int] = []
 
     async def one(i: int) -> None:
@@ -360,6 +363,8 @@ async def test_batch_runs_at_most_max_num_seqs_rest_wait_fifo(
     for i in range(5):  # one at a time, so FIFO order is well defined
         tasks.append(asyncio.create_task(one(i)))
         await worker.wait_for(lambda s, n=i + 1: s.running + s.waiting == n)
+        if i == 0:
+            await asyncio.sleep(0.05)
     assert (worker.stats.running, worker.stats.waiting) == (2, 3)
     assert await gauges(http, worker) == {
         "vllm:num_requests_running": 2, "vllm:num_requests_waiting": 3, "usage": 1.0
