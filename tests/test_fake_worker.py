@@ -238,7 +238,7 @@ async def test_models_version_health(make_worker: MakeWorker, http: aiohttp.Clie
     async with http.get(worker.url + "/version") as resp:
         assert "version" in await resp.json()
     # Probes and scrapes are counted apart so they never crowd out real requests.
-    assert worker.stats.health_checks == 1 and worker.stats.received == 2
+    assert worker.stats.health_probes == 1 and worker.stats.received == 2
 
 
 async def test_embeddings_are_deterministic(make_worker: MakeWorker) -> None:

@@ -55,7 +55,7 @@ class AgentSettings:
 
     @property
     def poll(self) -> float:
-        """Between two health checks while starting, and two idle checks while leaving."""
+        """Between two /health probes while starting, and two looks for idle while leaving."""
         return min(1.0, self.heartbeat)
 
 

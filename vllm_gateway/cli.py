@@ -62,6 +62,7 @@ def _load(config_path: str | None, overrides: dict[str, Any]) -> GatewayConfig:
 )
 @click.option(
     "--policy",
+    metavar="NAME",
     help="Dispatch policy for every model without its own: queue (the default: least "
     "expected wait), least_inflight, power_of_two, session, prefix, and the load-blind "
     "round_robin and random; FastChat's shortest_queue and lottery are aliases "
@@ -150,7 +151,9 @@ def check_config(config_path: str | None) -> None:
 
 
 @main.command("hash-key", context_settings=CONTEXT)
-@click.option("--name", default="my-client", show_default=True, help="The key's name.")
+@click.option(
+    "--name", default="my-client", show_default=True, metavar="NAME", help="The key's name."
+)
 @click.option("--generate", is_flag=True, help="Make a new random key (printed once, to stderr).")
 def hash_key_command(name: str, generate: bool) -> None:
     """Print the configuration table of a client API key: its SHA-256, never the key.
@@ -197,9 +200,13 @@ def demo(host: str, port: int) -> None:
 
 @main.command(context_settings=CONTEXT)
 @click.option(
-    "--gateway", default="http://127.0.0.1:8000", show_default=True, help="The gateway's base URL."
+    "--gateway",
+    default="http://127.0.0.1:8000",
+    show_default=True,
+    metavar="URL",
+    help="The gateway's base URL.",
 )
-@click.option("--model", required=True, help="Model to ask.")
+@click.option("--model", required=True, metavar="NAME", help="Model to ask.")
 @click.option("--max-tokens", type=int, default=None, help="Longest answer, in tokens.")
 @click.argument("prompt")
 def chat(gateway: str, model: str, max_tokens: int | None, prompt: str) -> None:
@@ -222,18 +229,27 @@ def chat(gateway: str, model: str, max_tokens: int | None, prompt: str) -> None:
     multiple=True,
     default=("fake-model",),
     show_default=True,
+    metavar="NAME",
     help="Served model name (repeatable; the first is the base model).",
 )
-@click.option("--lora", "loras", multiple=True, help="A LoRA adapter name (repeatable).")
+@click.option(
+    "--lora", "loras", multiple=True, metavar="NAME", help="A LoRA adapter name (repeatable)."
+)
 @click.option(
     "--ttft-ms",
     type=float,
     default=20.0,
     show_default=True,
-    help="Prefill time before the first token.",
+    metavar="MS",
+    help="Prefill time before the first token, in milliseconds.",
 )
 @click.option(
-    "--tpot-ms", type=float, default=10.0, show_default=True, help="Time per output token."
+    "--tpot-ms",
+    type=float,
+    default=10.0,
+    show_default=True,
+    metavar="MS",
+    help="Time per output token, in milliseconds.",
 )
 @click.option(
     "--max-num-seqs",

@@ -68,7 +68,7 @@ RETRY_STATUSES = frozenset({429, 503})
 
 # Outcomes a lease ends with (also the values of the telemetry label and access log field).
 OK = "ok"  # the worker answered and the answer reached the client (any status)
-CLIENT_GONE = "client_gone"  # the client left first; the upstream request was cancelled
+CLIENT_GONE = "client_gone"  # the client left first; its request on the worker was cancelled
 UNREACHABLE = "unreachable"  # the worker could not be reached
 REFUSED = "refused"  # the worker answered 503/429 and the request went to another one
 TIMEOUT = "timeout"  # a relay timeout expired

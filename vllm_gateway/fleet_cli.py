@@ -58,6 +58,7 @@ def _gateway_options(f: Callable[..., Any]) -> Callable[..., Any]:
     return click.option(
         "--gateway",
         envvar="VLLM_GATEWAY_URL",
+        metavar="URL",
         default=DEFAULT_GATEWAY,
         show_default=True,
         help="The gateway's base URL.  [env: VLLM_GATEWAY_URL]",
@@ -95,17 +96,20 @@ def _gateway_options(f: Callable[..., Any]) -> Callable[..., Any]:
     envvar="VLLM_API_KEY",
     help="The vLLM server's --api-key, to read its /v1/models.  [env: VLLM_API_KEY]",
 )
-@click.option("--heartbeat", type=float, help="Seconds between heartbeats.  [default: 10]")
+@click.option(
+    "--heartbeat", type=float, metavar="SECONDS", help="Between two heartbeats.  [default: 10]"
+)
 @click.option(
     "--drain-timeout",
     type=float,
-    help="On SIGTERM, longest wait for the worker to go idle, in seconds.  [default: 600]",
+    metavar="SECONDS",
+    help="On SIGTERM, longest wait for the worker to go idle.  [default: 600]",
 )
 @click.option(
     "--startup-timeout",
     type=float,
-    help="Longest wait for the worker's first healthy answer, in seconds; 0: no limit.  "
-    "[default: 0]",
+    metavar="SECONDS",
+    help="Longest wait for the worker's first healthy answer; 0: no limit.  [default: 0]",
 )
 @click.option(
     "--log-format",
@@ -205,7 +209,9 @@ def _num(value: Any) -> str:
 
 @workers.command(context_settings=CONTEXT)
 @click.argument("url")
-@click.option("--model", "models", multiple=True, help="Pin a model name (repeatable).")
+@click.option(
+    "--model", "models", multiple=True, metavar="NAME", help="Pin a model name (repeatable)."
+)
 @click.option("--weight", type=float, help="Relative share of traffic.  [default: 1]")
 @click.pass_context
 def add(ctx: click.Context, url: str, models: tuple[str, ...], weight: float | None) -> None:
@@ -218,7 +224,12 @@ def add(ctx: click.Context, url: str, models: tuple[str, ...], weight: float | N
 @workers.command(context_settings=CONTEXT)
 @click.argument("url")
 @click.option("--drain", is_flag=True, help="Drain first and wait until idle.")
-@click.option("--timeout", type=float, help="Longest wait for idle, in seconds.")
+@click.option(
+    "--timeout",
+    type=float,
+    metavar="SECONDS",
+    help="Longest wait for idle.  [default: the gateway's admin.drain_timeout]",
+)
 @click.pass_context
 def remove(ctx: click.Context, url: str, drain: bool, timeout: float | None) -> None:
     """Remove the worker at URL (requests in flight on it finish)."""
@@ -229,7 +240,12 @@ def remove(ctx: click.Context, url: str, drain: bool, timeout: float | None) -> 
 @workers.command(context_settings=CONTEXT)
 @click.argument("url")
 @click.option("--wait", is_flag=True, help="Wait until nothing is in flight on it.")
-@click.option("--timeout", type=float, help="Longest wait, in seconds.  [default: the gateway's]")
+@click.option(
+    "--timeout",
+    type=float,
+    metavar="SECONDS",
+    help="Longest wait.  [default: the gateway's admin.drain_timeout]",
+)
 @click.pass_context
 def drain(ctx: click.Context, url: str, wait: bool, timeout: float | None) -> None:
     """Send the worker at URL no new requests; those in flight finish."""
@@ -302,14 +318,20 @@ def scale(ctx: click.Context) -> None:
 
 @click.command("rollout", context_settings=CONTEXT)
 @_gateway_options
-@click.option("--model", required=True, help="Replace the workers serving this model.")
-@click.option("--to", "to_model", help="The replacements serve this model (a new version).")
+@click.option(
+    "--model", required=True, metavar="NAME", help="Replace the workers serving this model."
+)
+@click.option(
+    "--to", "to_model", metavar="NAME", help="The replacements serve this model (a new version)."
+)
 @click.option(
     "--alias",
+    metavar="NAME",
     help="Shift this alias (e.g. what clients ask for) from --model to --to as it goes.",
 )
 @click.option(
     "--command",
+    metavar="COMMAND",
     help="Run after each worker is removed; {url} {host} {port} {index} {model} "
     "{to_model} are filled in, e.g. 'systemctl restart vllm@{index}'.",
 )
@@ -319,9 +341,21 @@ def scale(ctx: click.Context) -> None:
     help="Where the replacement appears: at the same URL (re-added; the default with "
     "--command) or as a new worker that registers itself (the default without).",
 )
-@click.option("--drain-timeout", type=float, help="Per worker, in seconds.  [default: 600]")
-@click.option("--ready-timeout", type=float, help="Per replacement, in seconds.  [default: 900]")
-@click.option("--poll", type=float, help="Seconds between looks at the gateway.  [default: 0.5]")
+@click.option(
+    "--drain-timeout",
+    type=float,
+    metavar="SECONDS",
+    help="Longest wait for each worker to go idle.  [default: 600]",
+)
+@click.option(
+    "--ready-timeout",
+    type=float,
+    metavar="SECONDS",
+    help="Longest wait for each replacement to be ready.  [default: 900]",
+)
+@click.option(
+    "--poll", type=float, metavar="SECONDS", help="Between looks at the gateway.  [default: 0.5]"
+)
 def rollout(
     gateway: str,
     token: str | None,

@@ -181,7 +181,7 @@ class FakeWorker:
         # Probes, scrapes and the control API are not "requests": a gateway probing every
         # 100 ms must not push the requests under test out of the record.
         if path == "/health":
-            self.stats.health_checks += 1
+            self.stats.health_probes += 1
             return await handler(request)
         if path == "/metrics":
             self.stats.metrics_scrapes += 1

@@ -92,7 +92,7 @@ class FakeStats:
     waiting: int = 0
     max_running_seen: int = 0
     max_waiting_seen: int = 0
-    health_checks: int = 0
+    health_probes: int = 0
     metrics_scrapes: int = 0
     requests: deque[RequestRecord] = field(default_factory=lambda: deque(maxlen=RECORDS_KEPT))
 
