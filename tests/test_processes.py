@@ -14,11 +14,13 @@ from aiohttp import web
 
 from tests.conftest import FAST_PROBES
 from vllm_gateway.app import REGISTRY, create_app
-from vllm_gateway.config import GatewayConfig, WorkerSpec
+from vllm_gateway.config import AdminConfig, GatewayConfig, WorkerSpec
 from vllm_gateway.server import start_server
 from vllm_gateway.siblings import SIBLING_HEADER, is_control, socket_path
 
 pytestmark = pytest.mark.timeout(40)
+
+TOKEN = "admin-token-for-tests"
 
 
 def test_control_requests_are_recognised_by_method_and_path():
@@ -39,7 +41,11 @@ async def two_processes(fake_worker):
     each with a test control endpoint that records what it was sent."""
     worker = await fake_worker(models="m")
     config = GatewayConfig(
-        host="127.0.0.1", port=0, workers=(WorkerSpec(url=worker.url),), probe=FAST_PROBES
+        host="127.0.0.1",
+        port=0,
+        workers=(WorkerSpec(url=worker.url),),
+        probe=FAST_PROBES,
+        admin=AdminConfig(token=TOKEN),
     )
     with tempfile.TemporaryDirectory() as control_dir:
         servers, seen = [], []
@@ -83,6 +89,34 @@ async def test_a_control_request_reaches_every_process_once(two_processes, http)
     ) as r:
         assert r.status == 200
     assert len(seen_b) == 3
+
+
+async def test_a_drain_is_idle_only_when_every_process_is(two_processes, http):
+    worker, (a, b), _ = two_processes
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    drain = {"url": worker.url, "wait": True, "timeout": 0.3}
+    body = {"model": "m", "prompt": "x", "max_tokens": 150, "stream": True}  # ~1.5 s
+    async with http.post(b.url + "/v1/completions", json=body) as stream:
+        assert stream.status == 200
+        await stream.content.readline()  # the stream is under way, in process b only
+        # Process a has nothing in flight, but the gateway does: not idle.
+        async with http.post(a.url + "/admin/workers/drain", json=drain, headers=auth) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["idle"] is False
+        rest = await stream.read()
+    assert rest.rstrip().endswith(b"data: [DONE]")  # a drain lets in-flight streams finish
+    async with http.post(a.url + "/admin/workers/drain", json=drain, headers=auth) as r:
+        assert r.status == 200, await r.text()
+        assert (await r.json())["idle"] is True
+
+
+async def test_a_registration_reaches_every_process(two_processes, fake_worker, http):
+    _, (a, b), _ = two_processes
+    new = await fake_worker(models="m2")
+    async with http.post(a.url + "/register_worker", json={"worker_name": new.url}) as r:
+        assert r.status == 200, await r.text()  # the process that got it registers it too
+    for server in (a, b):
+        assert new.url in {w.url for w in server.app[REGISTRY]}
 
 
 async def test_list_workers_adds_up_the_processes(two_processes, http):

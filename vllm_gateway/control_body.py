@@ -23,7 +23,10 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     """The request's JSON object body; an empty body is an empty object."""
     if request.content_length is not None and request.content_length > MAX_CONTROL_BODY_BYTES:
         raise BadRequest(f"Control request bodies are limited to {MAX_CONTROL_BODY_BYTES} bytes.")
-    raw = await request.content.read(MAX_CONTROL_BODY_BYTES + 1)
+    # request.read(), not request.content: with `--processes N` the siblings middleware has
+    # already read the body to fan it out, and only read() returns it again (cached). A
+    # chunked body without a length is bounded by the app's client_max_size meanwhile.
+    raw = await request.read()
     if len(raw) > MAX_CONTROL_BODY_BYTES:
         raise BadRequest(f"Control request bodies are limited to {MAX_CONTROL_BODY_BYTES} bytes.")
     if not raw.strip():

@@ -12,6 +12,9 @@ again. This is generic over paths: a new control endpoint needs nothing here.
 siblings for their own view and adds up the per-process counters (in-flight, completed,
 failed); worker set, states and models are the serving process's own, which the fan-out
 keeps equal (probes run in every process, so a state may differ for one probe period).
+A control answer that says whether a worker is `idle` (a drain that waited, a removal after
+a drain) says so for the whole gateway: idle only if every process answered idle, since
+each process has its own requests in flight.
 
 The unix sockets live in a directory only the gateway's user can enter; the sibling
 header is honoured only on them, never from a TCP client.
@@ -52,6 +55,37 @@ SIBLING_TIMEOUT_SECONDS = 600.0
 _DROPPED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _merge_idle(
+    local: web.StreamResponse, answers: list[tuple[int, bytes] | None]
+) -> web.StreamResponse:
+    """`local` with its `idle` field true only if every sibling also answered idle.
+
+    A sibling that failed or did not answer 200 counts as not idle: nobody knows what it
+    still has in flight."""
+    if not isinstance(local, web.Response) or local.status != 200 or local.body is None:
+        return local
+    doc = _json_object(local.body)  # type: ignore[arg-type]
+    if doc is None or doc.get("idle") is not True:
+        return local
+    if all(a is not None and a[0] == 200 and _is_idle(a[1]) for a in answers):
+        return local
+    doc["idle"] = False
+    return web.Response(status=200, body=orjson.dumps(doc), content_type="application/json")
+
+
+def _json_object(body: bytes) -> dict | None:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _is_idle(body: bytes) -> bool:
+    doc = _json_object(body)
+    return doc is not None and doc.get("idle") is True
 
 
 def socket_path(control_dir: str, index: int) -> str:
@@ -144,8 +178,8 @@ class Siblings:
             if not is_control(method, path) or _from_sibling(request):
                 return await handler(request)
             body = await request.read()  # cached: the handler reads it again
-            local, _ = await asyncio.gather(handler(request), self.broadcast(request, body))
-            return local
+            local, answers = await asyncio.gather(handler(request), self.broadcast(request, body))
+            return _merge_idle(local, answers)
 
         return siblings_middleware
 
