@@ -102,7 +102,12 @@ async def test_a_drain_is_idle_only_when_every_process_is(two_processes, http):
         # Process a has nothing in flight, but the gateway does: not idle.
         async with http.post(a.url + "/admin/workers/drain", json=drain, headers=auth) as r:
             assert r.status == 200, await r.text()
-            assert (await r.json())["idle"] is False
+            answer = await r.json()
+        assert answer["idle"] is False and answer["worker"]["inflight"] == 1
+        assert answer["waited_seconds"] >= 0.25  # process b's wait, not a's instant answer
+        async with http.get(a.url + "/admin/workers", headers=auth) as r:
+            (listed,) = (await r.json())["workers"]
+        assert listed["inflight"] == 1 and listed["state"] == "draining"
         rest = await stream.read()
     assert rest.rstrip().endswith(b"data: [DONE]")  # a drain lets in-flight streams finish
     async with http.post(a.url + "/admin/workers/drain", json=drain, headers=auth) as r:

@@ -8,13 +8,13 @@ and also re-sent, as is, to every sibling over its private unix socket, marked w
 `X-Gateway-Sibling` header so that a sibling handles it locally and never fans it out
 again. This is generic over paths: a new control endpoint needs nothing here.
 
-`GET /list_workers` answers the same whichever process serves it: the process asks its
-siblings for their own view and adds up the per-process counters (in-flight, completed,
-failed); worker set, states and models are the serving process's own, which the fan-out
-keeps equal (probes run in every process, so a state may differ for one probe period).
-A control answer that says whether a worker is `idle` (a drain that waited, a removal after
-a drain) says so for the whole gateway: idle only if every process answered idle, since
-each process has its own requests in flight.
+`GET /list_workers` and `GET /admin/workers` answer the same whichever process serves
+them: the process asks its siblings for their own view and adds up the per-process
+counters (in-flight, completed, failed); worker set, states and models are the serving
+process's own, which the fan-out keeps equal (probes run in every process, so a state
+may differ for one probe period). A control answer speaks for the whole gateway too
+(`merge_control_answers`): a drain that waited is `idle` only if every process saw the
+worker idle, since each process has its own requests in flight.
 
 The unix sockets live in a directory only the gateway's user can enter; the sibling
 header is honoured only on them, never from a TCP client.
@@ -48,8 +48,10 @@ CONTROL_PATHS = frozenset(
         "/unregister_worker",
     }
 )
-# Counters /list_workers adds up across processes (each process counts its own requests).
+# Counters the worker lists add up across processes (each process counts its own requests).
 SUMMED_FIELDS = ("inflight", "completed", "failed")
+# Worker lists that answer for the whole gateway whichever process serves them.
+MERGED_LISTS = frozenset({"/list_workers", "/admin/workers"})
 # Longest wait for a sibling to handle a control request (a drain may wait for idle).
 SIBLING_TIMEOUT_SECONDS = 600.0
 _DROPPED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
@@ -57,35 +59,49 @@ _DROPPED = frozenset({"host", "content-length", "transfer-encoding", "connection
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _merge_idle(
-    local: web.StreamResponse, answers: list[tuple[int, bytes] | None]
-) -> web.StreamResponse:
-    """`local` with its `idle` field true only if every sibling also answered idle.
-
-    A sibling that failed or did not answer 200 counts as not idle: nobody knows what it
-    still has in flight."""
-    if not isinstance(local, web.Response) or local.status != 200 or local.body is None:
-        return local
-    doc = _json_object(local.body)  # type: ignore[arg-type]
-    if doc is None or doc.get("idle") is not True:
-        return local
-    if all(a is not None and a[0] == 200 and _is_idle(a[1]) for a in answers):
-        return local
-    doc["idle"] = False
-    return web.Response(status=200, body=orjson.dumps(doc), content_type="application/json")
-
-
-def _json_object(body: bytes) -> dict | None:
+def _json_object(body: bytes | None) -> dict | None:
     try:
-        doc = orjson.loads(body)
+        doc = orjson.loads(body or b"")
     except orjson.JSONDecodeError:
         return None
     return doc if isinstance(doc, dict) else None
 
 
-def _is_idle(body: bytes) -> bool:
-    doc = _json_object(body)
-    return doc is not None and doc.get("idle") is True
+def _add_counters(mine: dict, theirs: dict) -> None:
+    for field in SUMMED_FIELDS:
+        if isinstance(theirs.get(field), int) and isinstance(mine.get(field), int):
+            mine[field] += theirs[field]
+
+
+def merge_worker_lists(doc: dict, others: list[dict]) -> None:
+    """Add the other processes' counters into `doc["workers"]` (a worker list answer)."""
+    by_url = {w["url"]: w for w in doc.get("workers", []) if isinstance(w, dict)}
+    for other in others:
+        for w in other.get("workers", []):
+            mine = by_url.get(w.get("url")) if isinstance(w, dict) else None
+            if mine is not None:
+                _add_counters(mine, w)
+
+
+def merge_control_answers(doc: dict, others: list[dict | None]) -> None:
+    """Make a control answer speak for the whole gateway, not the process that answered.
+
+    `idle` (a drain that waited, a removal after a drain) is true only if every process
+    answered idle; a sibling that failed (None) counts as not idle, since nobody knows what
+    it still has in flight. `waited_seconds` is the longest wait; the worker's counters are
+    added up."""
+    if "idle" in doc:
+        doc["idle"] = doc["idle"] is True and all(
+            o is not None and o.get("idle") is True for o in others
+        )
+    if isinstance(doc.get("waited_seconds"), int | float):
+        for o in others:
+            if o is not None and isinstance(o.get("waited_seconds"), int | float):
+                doc["waited_seconds"] = max(doc["waited_seconds"], o["waited_seconds"])
+    if isinstance(doc.get("worker"), dict):
+        for o in others:
+            if o is not None and isinstance(o.get("worker"), dict):
+                _add_counters(doc["worker"], o["worker"])
 
 
 def socket_path(control_dir: str, index: int) -> str:
@@ -165,37 +181,47 @@ class Siblings:
         return [a[1] for a in answers if a is not None and a[0] == 200]
 
     def middleware(self) -> Callable:
-        """The aiohttp middleware: fan control requests out, merge /list_workers."""
+        """The aiohttp middleware: fan control requests out, merge what processes count."""
 
         @web.middleware
         async def siblings_middleware(request: web.Request, handler: Handler):
             method = request.method
             path = request.path
             if method == "GET":
-                if path == "/list_workers" and not _from_sibling(request):
-                    return await self._merged_list_workers(request, handler)
+                if path in MERGED_LISTS and not _from_sibling(request):
+                    return await self._merged_list(request, handler)
                 return await handler(request)
             if not is_control(method, path) or _from_sibling(request):
                 return await handler(request)
             body = await request.read()  # cached: the handler reads it again
             local, answers = await asyncio.gather(handler(request), self.broadcast(request, body))
-            return _merge_idle(local, answers)
+            doc = _answer_doc(local)
+            if doc is None:
+                return local
+            others = [
+                _json_object(a[1]) if a is not None and a[0] == 200 else None for a in answers
+            ]
+            merge_control_answers(doc, others)
+            return web.json_response(doc, status=local.status, dumps=_dumps)
 
         return siblings_middleware
 
-    async def _merged_list_workers(self, request: web.Request, handler: Handler):
+    async def _merged_list(self, request: web.Request, handler: Handler):
         local, others = await asyncio.gather(handler(request), self.collect(request))
-        if not isinstance(local, web.Response) or local.status != 200 or local.body is None:
+        doc = _answer_doc(local)
+        if doc is None:
             return local
-        doc = orjson.loads(local.body)  # type: ignore[arg-type]
-        by_url = {w["url"]: w for w in doc.get("workers", [])}
-        for answer in others:
-            for w in orjson.loads(answer).get("workers", []):
-                mine = by_url.get(w.get("url"))
-                if mine is None:
-                    continue
-                for field in SUMMED_FIELDS:
-                    if isinstance(w.get(field), int) and isinstance(mine.get(field), int):
-                        mine[field] += w[field]
+        merge_worker_lists(doc, [d for d in map(_json_object, others) if d is not None])
         doc["processes"] = self.count
-        return web.Response(body=orjson.dumps(doc), content_type="application/json")
+        return web.json_response(doc, dumps=_dumps)
+
+
+def _answer_doc(response: web.StreamResponse) -> dict | None:
+    """The JSON object of a handler's 200 answer; None for anything else (left as it is)."""
+    if not isinstance(response, web.Response) or response.status != 200:
+        return None
+    return _json_object(response.body)  # type: ignore[arg-type]
+
+
+def _dumps(doc: object) -> str:
+    return orjson.dumps(doc).decode()
