@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import time
 
-from aiohttp import web
-
 from vllm_gateway.dispatch import Lease
 from vllm_gateway.errors import GatewayError, UpstreamError
 from vllm_gateway.log import access_writer
-from vllm_gateway.routes import REQUEST_ID
 
 
 class AccessLog:
@@ -57,7 +54,7 @@ class AccessLog:
             }
         )
 
-    def error(self, request: web.Request, error: GatewayError) -> None:
+    def error(self, error: GatewayError, method: str, path: str, request_id: str | None) -> None:
         """One line for a request the gateway refused before any worker was tried.
 
         Errors of a relay attempt (`UpstreamError`: unreachable, timeout, ...) already have
@@ -67,9 +64,9 @@ class AccessLog:
             return
         self._write(
             {
-                "request_id": request.get(REQUEST_ID),
-                "method": request.method,
-                "path": request.path,
+                "request_id": request_id,
+                "method": method,
+                "path": path,
                 "status": error.status,
                 "code": error.code or error.type,
                 "outcome": "rejected",

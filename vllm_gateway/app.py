@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -23,14 +23,14 @@ from vllm_gateway.breaker import CircuitBreaker
 from vllm_gateway.config import GatewayConfig, normalize_url
 from vllm_gateway.discovery import DnsDiscovery
 from vllm_gateway.dispatch import Dispatcher, Lease
-from vllm_gateway.errors import ConfigError, GatewayError
+from vllm_gateway.errors import ConfigError
 from vllm_gateway.fleet import Fleet
 from vllm_gateway.health import Prober
 from vllm_gateway.log import get_logger
 from vllm_gateway.policies import Policy, check_policy_name, make_policy
 from vllm_gateway.registration import Registration
 from vllm_gateway.relay import Relay
-from vllm_gateway.routes import ERROR_HOOKS, Routes, error_middleware
+from vllm_gateway.routes import ERROR_HOOKS, ErrorHook, Routes, error_middleware
 from vllm_gateway.scrape import Scraper
 from vllm_gateway.siblings import Siblings
 from vllm_gateway.status import StatusViews
@@ -72,7 +72,7 @@ class Gateway:
     keys: ClientKeys | None = None  # client API keys (auth.py)
     access_log: AccessLog | None = None
     # routes.ERROR_HOOKS of this app: called for each error the gateway answers itself.
-    error_hooks: list[Callable[[web.Request, GatewayError], None]] = field(default_factory=list)
+    error_hooks: list[ErrorHook] = field(default_factory=list)
     # Workers dropped from the config that still had requests in flight: draining, and
     # removed from the registry when their last request ends.
     retiring: set[str] = field(default_factory=set)

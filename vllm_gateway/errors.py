@@ -51,6 +51,9 @@ class GatewayError(Exception):
     type = "internal_error"
     code: str | None = None
     retry_after: float | None = None
+    # Close the client's connection after this answer: the request's framing or the rest of
+    # its body cannot be trusted to follow (on either serving path).
+    closes_connection = False
 
     def __init__(
         self, message: str, *, param: str | None = None, retry_after: float | None = None
@@ -75,6 +78,7 @@ class BodyTooLarge(BadRequest):
 class RequestTimeout(BadRequest):
     status = 408
     code = "request_timeout"
+    closes_connection = True  # the rest of that body may still be on its way
 
 
 class ExpectationFailed(BadRequest):
@@ -84,6 +88,7 @@ class ExpectationFailed(BadRequest):
 
 class MalformedRequest(BadRequest):
     code = "malformed_request"
+    closes_connection = True
 
 
 class Unauthorized(GatewayError):
@@ -193,20 +198,29 @@ def error_body(
     return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
 
 
-def error_response(exc: GatewayError, request_id: str | None = None) -> web.Response:
-    """The one place a `GatewayError` becomes an HTTP response."""
+def error_parts(
+    exc: GatewayError, request_id: str | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """The status, headers (besides the content type) and body a `GatewayError` becomes."""
     headers = {}
     if exc.retry_after is not None:
         # Retry-After takes whole seconds; never tell a client to retry in 0 s.
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
     if request_id:
         headers["X-Request-Id"] = request_id
-    return web.Response(
-        status=exc.status,
-        body=error_body(exc.message, exc.type, exc.code, exc.param),
-        content_type="application/json",
-        headers=headers,
+    return exc.status, headers, error_body(exc.message, exc.type, exc.code, exc.param)
+
+
+def error_response(exc: GatewayError, request_id: str | None = None) -> web.Response:
+    """The one place a `GatewayError` becomes an aiohttp response (front.py writes the same
+    parts itself)."""
+    status, headers, body = error_parts(exc, request_id)
+    response = web.Response(
+        status=status, body=body, content_type="application/json", headers=headers
     )
+    if exc.closes_connection:
+        response.force_close()
+    return response
 
 
 def sse_error_event(message: str, type: str = "upstream_error", code: str | None = None) -> bytes:

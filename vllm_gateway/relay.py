@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-
-from aiohttp import web
-from multidict import CIMultiDict
+from collections.abc import Sequence
 
 from vllm_gateway import connection, dispatch
 from vllm_gateway.config import TimeoutConfig
@@ -44,6 +42,7 @@ from vllm_gateway.errors import (
     WorkerUnreachable,
     sse_error_event,
 )
+from vllm_gateway.exchange import Exchange, Headers
 from vllm_gateway.log import get_logger
 from vllm_gateway.upstream import UpstreamPool
 
@@ -67,6 +66,9 @@ HOP_BY_HOP = frozenset(
     )
 )
 _HOP_BY_HOP_B = frozenset(h.encode() for h in HOP_BY_HOP)
+# Worker headers not passed to the client: hop-by-hop, and the request id (the exchange
+# adds the gateway's own).
+_NOT_RETURNED = _HOP_BY_HOP_B | {b"x-request-id"}
 # Request headers describing what the gateway replaced: the request id (ours goes out), the
 # body's coding (aiohttp's server decodes a gzip/deflate body; it goes out decoded), and an
 # `Expect: 100-continue` the gateway already met (it has the whole body; a worker's
@@ -75,18 +77,11 @@ _NOT_FORWARDED = _HOP_BY_HOP_B | {b"x-request-id", b"content-encoding", b"expect
 _NOT_FORWARDED_NO_AUTH = _NOT_FORWARDED | {b"authorization"}
 
 
-class RelayResponse(web.StreamResponse):
-    """A StreamResponse whose headers wait for the first body bytes, so a whole answer
-    leaves in one write (one syscall, one wake-up of the client) instead of two."""
-
-    _send_headers_immediately = False
-
-
 def request_head(
     method: str,
     target: str,
     host: bytes,
-    client_headers: tuple[tuple[bytes, bytes], ...],
+    client_headers: Sequence[tuple[bytes, bytes]],
     request_id: str,
     body_length: int,
     *,
@@ -115,14 +110,9 @@ def request_head(
     return b"".join(parts)
 
 
-def client_headers(worker_headers: list[tuple[bytes, bytes]], request_id: str) -> CIMultiDict[str]:
-    """The headers to send the client: the worker's end-to-end ones, and the request id."""
-    out: CIMultiDict[str] = CIMultiDict()
-    for name, value in worker_headers:
-        if name.lower() not in _HOP_BY_HOP_B:
-            out.add(name.decode("latin-1"), value.decode("utf-8", "replace"))
-    out["X-Request-Id"] = request_id
-    return out
+def end_to_end(worker_headers: Headers) -> Headers:
+    """The worker's headers the client gets: the end-to-end ones, as they came."""
+    return [(n, v) for n, v in worker_headers if n.lower() not in _NOT_RETURNED]
 
 
 class Relay:
@@ -144,18 +134,18 @@ class Relay:
         # gateway is stopping" rather than "the client went away".
         self.closing = False
 
-    async def forward(self, request: web.Request, lease: Lease) -> web.StreamResponse:
-        """Relay `lease.info` to `lease.worker`; return the (finished) client response."""
+    async def forward(self, ex: Exchange, lease: Lease) -> None:
+        """Relay `lease.info` to `lease.worker` and its answer to the client on `ex`."""
         try:
-            conn = await self.start(request, lease)
+            conn = await self.start(ex, lease)
         except asyncio.CancelledError:
             if not self.closing:
                 raise
             lease.outcome = dispatch.SHUTDOWN
             raise GatewayStopping("The gateway is shutting down; retry the request.") from None
-        return await self.respond(request, lease, conn)
+        await self.respond(ex, lease, conn)
 
-    async def start(self, request: web.Request, lease: Lease) -> UpstreamConnection:
+    async def start(self, ex: Exchange, lease: Lease) -> UpstreamConnection:
         """Send the request to the worker and wait for its status line and headers.
 
         Nothing has reached the client yet: the caller may still answer it otherwise (then
@@ -177,10 +167,10 @@ class Relay:
         try:
             conn.send(
                 request_head(
-                    request.method,
+                    ex.method,
                     info.path,
                     self.pool.origin(url).host_header,
-                    request.raw_headers,
+                    ex.raw_headers,
                     info.request_id,
                     len(info.body),
                     forward_authorization=self.forward_authorization,
@@ -210,53 +200,39 @@ class Relay:
         answer was already read to its end."""
         self.pool.release(conn)
 
-    async def respond(
-        self, request: web.Request, lease: Lease, conn: UpstreamConnection
-    ) -> web.StreamResponse:
+    async def respond(self, ex: Exchange, lease: Lease, conn: UpstreamConnection) -> None:
         """Commit the worker's status and headers to the client and relay the body."""
         # No retry can follow now: the request body and its JSON are not needed any more.
         lease.info.release_body()
-        request._read_bytes = None  # aiohttp's copy of the body, kept for a second read()
+        ex.release_body()
         try:
-            response = RelayResponse(
-                status=conn.status,
-                reason=conn.reason.decode("latin-1") or None,
-                headers=client_headers(conn.headers, lease.info.request_id),
-            )
+            headers = end_to_end(conn.headers)
             conn.headers.clear()  # copied: do not hold them for the stream's life
             if conn.complete and _ended_well(lease, conn):
                 # The whole answer is here: one write for head and body.
-                body = conn.body_so_far()
-                response.content_length = len(body)
-                await response.prepare(request)
-                await response.write_eof(body)
-                return response
-            chunked = False
-            if conn.content_length is not None:
-                response.content_length = conn.content_length
-            elif request.version >= (1, 1):
-                response.enable_chunked_encoding()
-                chunked = True
-            await response.prepare(request)
-            await response.write(conn.body_so_far())  # the headers, and any body so far
-            transport = request.transport
+                await ex.answer(conn.status, conn.reason, headers, conn.body_so_far())
+                return
+            chunked = await ex.begin(
+                conn.status, conn.reason, headers, conn.content_length, conn.body_so_far()
+            )
+            del headers
+            transport = ex.transport
             if transport is None:
                 raise ConnectionResetError("the client went away")
             conn.attach(transport, chunked=chunked)
             try:
-                await self._relay_body(request, conn, lease)
+                await self._relay_body(ex, conn, lease)
             except asyncio.CancelledError:
                 if not self.closing:
                     raise
                 lease.outcome = dispatch.SHUTDOWN
                 message = "The gateway is shutting down; the answer was cut short."
-                await self._end_early(request, response, conn, message, chunked)
-                return response
+                await self._end_early(ex, conn, message, chunked)
+                return
             if conn.error is None and _ended_well(lease, conn):
-                await response.write_eof()
+                await ex.end()
             else:
-                await self._cut_short(request, response, conn, lease, chunked)
-            return response
+                await self._cut_short(ex, conn, lease, chunked)
         finally:
             lease.first_byte = conn.first_body_at  # for telemetry and the access log
             lease.bytes = conn.body_bytes
@@ -264,7 +240,7 @@ class Relay:
             # rather than returned to the pool, so the worker sees the abort.
             self.pool.release(conn)
 
-    async def _relay_body(self, request: web.Request, conn: UpstreamConnection, lease: Lease):
+    async def _relay_body(self, ex: Exchange, conn: UpstreamConnection, lease: Lease) -> None:
         t = self.timeouts
         total_at = None
         if t.total:
@@ -277,22 +253,18 @@ class Relay:
             limit = _within(t.idle, t.total, lease.started)
             try:
                 async with asyncio.timeout(limit):
-                    await request.writer.drain()
+                    await ex.drain()
             except TimeoutError:
-                if request.transport is not None:
-                    request.transport.abort()
+                if ex.transport is not None:
+                    ex.transport.abort()
                 raise ConnectionResetError(f"The client read nothing for {limit:g} s.") from None
-            if request.transport is None or request.transport.is_closing():
+            transport = ex.transport
+            if transport is None or transport.is_closing():
                 raise ConnectionResetError("the client went away")
             conn.resume()
 
     async def _cut_short(
-        self,
-        request: web.Request,
-        response: web.StreamResponse,
-        conn: UpstreamConnection,
-        lease: Lease,
-        chunked: bool,
+        self, ex: Exchange, conn: UpstreamConnection, lease: Lease, chunked: bool
     ) -> None:
         """End a response whose headers already went out, so the client sees it failed.
 
@@ -317,15 +289,11 @@ class Relay:
         else:
             lease.outcome = dispatch.BROKEN
             message = f"Worker {url} failed mid-answer: it {what}."
-        await self._end_early(request, response, conn, message, chunked)
+        await self._end_early(ex, conn, message, chunked)
 
     @staticmethod
     async def _end_early(
-        request: web.Request,
-        response: web.StreamResponse,
-        conn: UpstreamConnection,
-        message: str,
-        chunked: bool,
+        ex: Exchange, conn: UpstreamConnection, message: str, chunked: bool
     ) -> None:
         log.warning("relay cut short", reason=message)
         if chunked and conn.content_type.startswith(b"text/event-stream"):
@@ -334,12 +302,10 @@ class Relay:
             tail = conn.tail
             if tail and not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
                 event = b"\n\n" + event
-            await response.write(event)
-            await response.write_eof()
+            await ex.write(event)
+            await ex.end()
             return
-        response.force_close()
-        if request.transport is not None:
-            request.transport.close()
+        ex.cut()
 
 
 # Streams vLLM always ends with `data: [DONE]` (its Responses API does not, so no check).

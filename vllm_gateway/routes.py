@@ -6,8 +6,11 @@
     GET  /list_workers             -> every worker: url, models, state, in-flight, reported load
     GET|POST /list_models          -> {"models": [...]}, as FastChat's controller answers
 
-The relay handler reads top-down: read the body, build the `RequestInfo`, take a lease on a
-worker, relay. Errors become OpenAI error bodies in `error_middleware`, the one place.
+The relay handler (`Routes.relay_exchange`) reads top-down: read the body, build the
+`RequestInfo`, take a lease on a worker, relay. It is written once against
+`exchange.Exchange`: front.py serves most relay requests with it, aiohttp the others
+(`relay_request`). Errors become OpenAI error bodies through `errors.error_response`:
+`error_middleware` on aiohttp's path, `front.Front.answer_error` on the front path.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from aiohttp import web
 from vllm_gateway.aliases import AliasTable
 from vllm_gateway.dispatch import Dispatcher, outcome_of
 from vllm_gateway.errors import (
-    BadRequest,
     BodyTooLarge,
     ExpectationFailed,
     GatewayError,
@@ -35,6 +37,7 @@ from vllm_gateway.errors import (
     UpstreamError,
     error_response,
 )
+from vllm_gateway.exchange import REQUEST_ID, AiohttpExchange, Exchange
 from vllm_gateway.log import bind_request, clear_request, get_logger
 from vllm_gateway.relay import Relay
 from vllm_gateway.request_info import parse_request
@@ -53,7 +56,10 @@ ROOT_MODEL_PATHS = (
     "/invocations",
 )
 
-REQUEST_ID = web.RequestKey("request_id", str)
+
+def is_model_path(path: str) -> bool:
+    """Is `path` one of the OpenAI/vLLM model endpoints (a POST there is relayed)?"""
+    return path.startswith("/v1/") or path in ROOT_MODEL_PATHS
 
 
 class RequestIds:
@@ -94,9 +100,11 @@ def json_response(doc: object, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
 
 
-# Called with (request, error) for every error the gateway answers itself, after the fact
-# (telemetry counts them, the access log writes them). Only the error path pays for it.
-ERROR_HOOKS = web.AppKey("error_hooks", list[Callable[[web.Request, GatewayError], None]])
+# Called with (error, method, path, request id) for every error the gateway answers itself,
+# after the fact (telemetry counts them, the access log writes them), on either path
+# (front.py answers the relay requests it serves). Only the error path pays for it.
+ErrorHook = Callable[[GatewayError, str, str, str | None], None]
+ERROR_HOOKS = web.AppKey("error_hooks", list[ErrorHook])
 
 
 @web.middleware
@@ -118,12 +126,10 @@ async def error_middleware(
         else:
             err = GatewayError(e.reason)
             err.status = e.status
+    request_id = request.get(REQUEST_ID)
     for hook in request.app.get(ERROR_HOOKS, ()):
-        hook(request, err)
-    response = error_response(err, request.get(REQUEST_ID))
-    if isinstance(err, RequestTimeout):
-        response.force_close()  # the rest of that body may still be on its way
-    return response
+        hook(err, request.method, request.path, request_id)
+    return error_response(err, request_id)
 
 
 class Routes:
@@ -165,16 +171,23 @@ class Routes:
     # --- the relay -------------------------------------------------------------------------
 
     async def relay_request(self, request: web.Request) -> web.StreamResponse:
-        """Relay one OpenAI request to a worker serving its model."""
-        request_id = client_request_id(request.headers) or self.request_ids.new()
-        request[REQUEST_ID] = request_id
+        """aiohttp's handler for the relay paths: the requests front.py handed to aiohttp."""
+        exchange = AiohttpExchange(request)
+        await self.relay_exchange(exchange)
+        assert exchange.response is not None  # relay answers or raises
+        return exchange.response
+
+    async def relay_exchange(self, ex: Exchange) -> None:
+        """Relay one OpenAI request to a worker serving its model; answer on `ex`."""
+        request_id = client_request_id(ex.headers) or self.request_ids.new()
+        ex.request_id = request_id
         task = asyncio.current_task()
-        assert task is not None  # aiohttp runs every handler in a task
+        assert task is not None  # each request runs in a task of its own, on either path
         self.active.add(task)
         try:
             # The body is not kept in this frame: it lives as long as the stream does.
-            body = await self._read_body(request)
-            info = parse_request(request.path_qs, body, request_id, request.headers)
+            body = await self._read_body(ex)
+            info = parse_request(ex.path_qs, body, request_id, ex.headers)
             del body
             bind_request(request_id=request_id, model=info.model)
             info = self.aliases.resolve(info)
@@ -183,7 +196,7 @@ class Routes:
                 async with self.dispatcher.lease(info, exclude=tried) as lease:
                     bind_request(worker=lease.worker.url)
                     try:
-                        return await self.relay.forward(request, lease)
+                        return await self.relay.forward(ex, lease)
                     except UpstreamError as e:
                         # The retry rule: dispatch.py's docstring.
                         if not (e.retryable and lease.can_retry):
@@ -196,27 +209,22 @@ class Routes:
             self.active.discard(task)
             clear_request()
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        length = request.content_length
+    async def _read_body(self, ex: Exchange) -> bytes:
+        length = ex.content_length
         if length is not None and length > self.max_body_bytes:
             raise BodyTooLarge(
                 f"The request body is {length} bytes; the limit is {self.max_body_bytes}."
             )
+        if ex.body_ready():
+            # The whole body is already here (the common case): nothing to time, and
+            # no timer to arm and cancel on the hot path.
+            return await ex.read_body(self.max_body_bytes)
         try:
-            if request.content.is_eof():
-                # The whole body is already here (the common case): nothing to time, and
-                # no timer to arm and cancel on the hot path.
-                return await request.read()
             async with asyncio.timeout(self.body_timeout):
-                return await request.read()
+                return await ex.read_body(self.max_body_bytes)
         except TimeoutError:
             raise RequestTimeout(
                 f"The request body did not arrive within {self.body_timeout:g} s."
-            ) from None
-        except web.RequestPayloadError:  # e.g. not in the Content-Encoding it claims
-            coding = request.headers.get("Content-Encoding", "identity")[:40]
-            raise BadRequest(
-                f"The request body could not be read (Content-Encoding: {coding})."
             ) from None
 
     # --- fleet endpoints -------------------------------------------------------------------

@@ -80,7 +80,9 @@ class RequestMetrics:
             self.ttfb[pair].observe(lease.first_byte - lease.started)
             self.response_bytes[pair] += lease.bytes
 
-    def observe_error(self, request: object, error: GatewayError) -> None:
+    def observe_error(
+        self, error: GatewayError, method: str, path: str, request_id: str | None
+    ) -> None:
         """`routes.ERROR_HOOKS` hook: count an error the gateway answered itself."""
         key = (error.status, error.code or error.type)
         self.errors[key] = self.errors.get(key, 0) + 1
