@@ -27,6 +27,7 @@ from tests.scripted_worker import (
 )
 from vllm_gateway.app import REGISTRY
 from vllm_gateway.config import TimeoutConfig
+from vllm_gateway.front import FrontConnection
 from vllm_gateway.request_info import RequestInfo
 from vllm_gateway.routes import REQUEST_ID
 
@@ -259,14 +260,17 @@ async def test_first_byte_and_idle_timeouts(fake_worker, gateway, http):
     await idle_registry(gw)
 
 
-async def test_request_body_is_released_once_the_answer_streams(fake_worker, gateway, http):
+@pytest.mark.parametrize("path", ["front", "aiohttp"])
+async def test_request_body_is_released_once_the_answer_streams(fake_worker, gateway, http, path):
     """A long prompt is not held for the whole stream: once the worker's answer is being
-    relayed no retry can need it, so neither the bytes nor the parsed JSON stay."""
+    relayed no retry can need it, so neither the bytes nor the parsed JSON stay, whichever
+    path served the request (a Content-Encoding sends it through aiohttp, front.py)."""
     w = await fake_worker(models="m", tpot_ms=20, ttft_ms=1)
     gw = await gateway([w])
     prompt = "p" * (256 * 1024)
     body = orjson.dumps({"model": "m", "prompt": prompt, "max_tokens": 100, "stream": True})
-    async with http.post(gw.url + "/v1/completions", data=body) as r:
+    headers = {"Content-Encoding": "identity"} if path == "aiohttp" else {}
+    async with http.post(gw.url + "/v1/completions", data=body, headers=headers) as r:
         assert r.status == 200
         await r.content.readany()  # the stream has started
         gc.collect()
@@ -274,12 +278,16 @@ async def test_request_body_is_released_once_the_answer_streams(fake_worker, gat
         infos = [o for o in gc.get_objects() if isinstance(o, RequestInfo) and o.request_id == rid]
         assert infos, "the stream's RequestInfo should be alive"
         assert all(i.body == b"" and i.prefix_text(10) == "" for i in infos)
-        # Nor does aiohttp's request keep its copy (bytes are not tracked by gc: ask it).
-        mine = [
+        # Nor does the exchange keep a copy (bytes are not tracked by gc: ask their holders).
+        fronts = [o for o in gc.get_objects() if isinstance(o, FrontConnection)]
+        mine = [o for o in fronts if o.request_id == rid]
+        assert all(not c.body_parts and len(c.pending) + len(c.buf) < 1000 for c in mine)
+        requests = [
             o
             for o in gc.get_objects()
             if isinstance(o, web.BaseRequest) and o.get(REQUEST_ID) == rid  # not the worker's
         ]
-        assert mine and all(not q._read_bytes for q in mine)
+        assert all(not q._read_bytes for q in requests)
+        assert len(mine if path == "front" else requests) == 1
         r.close()
     assert w.stats.requests[-1].body == body  # the worker got it whole

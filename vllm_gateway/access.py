@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from vllm_gateway.errors import Forbidden, Unauthorized
+from vllm_gateway.exchange import Exchange
 from vllm_gateway.log import get_logger
 
 log = get_logger("vllm_gateway.access")
@@ -41,7 +42,7 @@ async def resolve_host(host: str) -> list[str]:
     return sorted({str(info[4][0]) for info in infos})
 
 
-def bearer_token(request: web.Request) -> str | None:
+def bearer_token(request: web.Request | Exchange) -> str | None:
     """The token of an `Authorization: Bearer ...` header, or None."""
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")

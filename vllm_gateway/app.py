@@ -25,6 +25,7 @@ from vllm_gateway.discovery import DnsDiscovery
 from vllm_gateway.dispatch import Dispatcher, Lease
 from vllm_gateway.errors import ConfigError
 from vllm_gateway.fleet import Fleet
+from vllm_gateway.front import FRONT, Front
 from vllm_gateway.health import Prober
 from vllm_gateway.log import get_logger
 from vllm_gateway.policies import Policy, check_policy_name, make_policy
@@ -241,6 +242,7 @@ def create_app(
     app[DISCOVERY] = discovery
     app[GATEWAY] = gateway
     app[ERROR_HOOKS] = gateway.error_hooks
+    app[FRONT] = Front(routes, keys, gateway.error_hooks)  # relay requests, without aiohttp
     routes.add_to(app)
     status.add_to(app, metrics=config.telemetry.metrics, page=config.telemetry.status_page)
     dispatcher.on_release.extend([metrics.observe, gateway.retire_when_idle])

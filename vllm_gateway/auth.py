@@ -37,8 +37,9 @@ from aiohttp import web
 from vllm_gateway.access import bearer_token, same_secret
 from vllm_gateway.config import ApiKeyConfig, AuthConfig
 from vllm_gateway.errors import ConcurrencyLimited, RateLimited, Unauthorized
+from vllm_gateway.exchange import Exchange
 from vllm_gateway.log import get_logger
-from vllm_gateway.routes import ROOT_MODEL_PATHS
+from vllm_gateway.routes import is_model_path
 
 log = get_logger("vllm_gateway.auth")
 
@@ -95,7 +96,7 @@ class ClientKey:
 
 def is_model_api(path: str) -> bool:
     """Is `path` part of the OpenAI API the keys guard (see the module docstring)?"""
-    return path.startswith("/v1/") or path in ROOT_MODEL_PATHS
+    return is_model_path(path)
 
 
 class ClientKeys:
@@ -125,7 +126,7 @@ class ClientKeys:
             for name, cfg in keys.items()
         )
 
-    def authenticate(self, request: web.Request) -> ClientKey:
+    def authenticate(self, request: Exchange | web.Request) -> ClientKey:
         """The key the request presents, or raise Unauthorized."""
         given = bearer_token(request)
         found = None
@@ -145,11 +146,12 @@ class ClientKeys:
             raise Unauthorized("Incorrect API key provided.")
         return found
 
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Check the key of every guarded request and hold its limits while it runs."""
+    def admit(self, request: Exchange | web.Request) -> ClientKey | None:
+        """Check a request's key and count it against the key's limits: the key to `release`
+        when the request ends, None when the request needs no key. Raises Unauthorized or
+        RateLimited. Both serving paths call this (the middleware below, and front.py)."""
         if not self.keys or not self.guarded(request.path):
-            return await handler(request)
+            return None
         key = self.authenticate(request)
         try:
             key.admit(self.clock())
@@ -157,7 +159,18 @@ class ClientKeys:
             self.rate_limited += 1
             log.debug("request refused", peer=request.remote, key=key.name, reason=e.code)
             raise
+        return key
+
+    @staticmethod
+    def release(key: ClientKey | None) -> None:
+        if key is not None:
+            key.inflight -= 1
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Check the key of every guarded request and hold its limits while it runs."""
+        key = self.admit(request)
         try:
             return await handler(request)
         finally:
-            key.inflight -= 1
+            self.release(key)

@@ -11,11 +11,16 @@ and the closed connection but answers like every other gateway error
 scanner cannot flood the log; a bug in a handler (a 500) is still logged with its traceback.
 
 aiohttp builds its protocol objects in `web.Server.__call__`; `ClientRunner` makes the
-application's server build `ClientProtocol`s instead (tests/test_bad_input.py pins the
-behaviour, so an aiohttp upgrade that changes these internals fails loudly).
+application's server build the gateway's instead: the front path's connection (front.py)
+when the app has one, which hands what it does not serve to a `ClientProtocol`
+(tests/test_bad_input.py and tests/test_front.py pin the behaviour, so an aiohttp upgrade
+that changes these internals fails loudly).
 """
 
 from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
@@ -24,6 +29,9 @@ from aiohttp.web_request import BaseRequest
 
 from vllm_gateway.errors import GatewayError, MalformedRequest, error_response
 from vllm_gateway.log import get_logger
+
+if TYPE_CHECKING:
+    from vllm_gateway.front import Front
 
 log = get_logger("vllm_gateway.client")
 
@@ -69,18 +77,44 @@ def malformed(exc: BaseException | None, message: str | None, status: int) -> Ma
     return error
 
 
-class _ClientServer(web.Server):
-    """aiohttp's low-level server, building a `ClientProtocol` for each connection."""
+class ClientServer(web.Server):
+    """aiohttp's low-level server, building the gateway's protocol for each connection: the
+    front path's (front.py) when the app has one, which hands the connections it does not
+    serve to a `ClientProtocol`; else a `ClientProtocol` straight away."""
 
-    def __call__(self) -> RequestHandler:
+    front: Front | None = None
+
+    def __call__(self) -> asyncio.Protocol:
+        if self.front is not None:
+            return self.front.connection(self)
+        return self.client_protocol()
+
+    def client_protocol(self) -> ClientProtocol:
+        """What aiohttp serves a connection with (the same limits and settings)."""
         return ClientProtocol(self, loop=self._loop, **self._kwargs)
+
+    def pre_shutdown(self) -> None:
+        super().pre_shutdown()
+        if self.front is not None:
+            self.front.pre_shutdown()
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        if self.front is None:
+            await super().shutdown(timeout)
+            return
+        await asyncio.gather(super().shutdown(timeout), self.front.shutdown(timeout))
 
 
 class ClientRunner(web.AppRunner):
-    """`web.AppRunner` whose connections are `ClientProtocol`s."""
+    """`web.AppRunner` whose connections are served by the gateway's protocols."""
+
+    def __init__(self, app: web.Application, *, front: Front | None = None, **kwargs) -> None:
+        super().__init__(app, **kwargs)
+        self._front = front
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         # Same server, same state; only the protocol factory differs.
-        server.__class__ = _ClientServer
+        server.__class__ = ClientServer
+        server.front = self._front  # type: ignore[attr-defined]
         return server

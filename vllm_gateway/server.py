@@ -17,6 +17,7 @@ from aiohttp import web
 
 from vllm_gateway.client_protocol import ClientRunner
 from vllm_gateway.config import ClientConfig
+from vllm_gateway.front import FRONT
 
 
 class RunningServer:
@@ -66,8 +67,12 @@ async def start_server(
     bounds what a client connection may send and how slowly (defaults: config.py).
     """
     client = client or ClientConfig()
+    front = app.get(FRONT)  # the gateway's own protocol for relay requests (front.py)
+    if front is not None:
+        front.limits = client
     runner = ClientRunner(
         app,
+        front=front,
         handler_cancellation=True,  # a departed client cancels its handler (and the relay)
         access_log=None,  # the gateway writes its own, structured and opt-in
         shutdown_timeout=shutdown_timeout,

@@ -1,0 +1,295 @@
+"""The front path (front.py): which requests it serves, what it hands to aiohttp, and that a
+client cannot tell the two apart.
+
+Requests are written as raw bytes (tests/rawhttp.py) so framing, pipelining and the exact
+answer are visible. A `Content-Encoding: identity` header is a harmless way to send the same
+request through aiohttp's path (the front path hands over any Content-Encoding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from tests.rawhttp import Answer, Connection, exchange, parse, request
+from vllm_gateway.app import create_app
+from vllm_gateway.config import ClientConfig, GatewayConfig
+from vllm_gateway.front import FRONT, FrontConnection
+from vllm_gateway.server import RunningServer
+
+pytestmark = pytest.mark.timeout(30)
+
+GOOD = b'{"model": "m", "prompt": "x", "max_tokens": 2}'
+STREAM = b'{"model": "m", "prompt": "x", "max_tokens": 3, "stream": true}'
+VIA_AIOHTTP = {"Content-Encoding": "identity"}
+
+
+@pytest.fixture
+async def served(fake_worker, gateway):
+    worker = await fake_worker(models="m", ttft_ms=1, tpot_ms=1)
+    limits = ClientConfig(header_timeout=1.0, body_timeout=1.0)
+    gw = await gateway([worker], max_body_bytes=4096, client=limits)
+    return gw, worker
+
+
+def counters(gw: RunningServer) -> tuple[int, int]:
+    front = gw.app[FRONT]
+    return front.served, front.handed_off
+
+
+def comparable(answer: Answer) -> tuple:
+    """An answer without what differs by nature (date, request id, generated ids)."""
+    headers = {k: v for k, v in answer.headers.items() if k not in ("date", "x-request-id")}
+    body = answer.body
+    if answer.headers.get("content-type", "").startswith("application/json"):
+        doc = orjson.loads(body)
+        if isinstance(doc, dict):
+            doc.pop("id", None)
+            doc.pop("created", None)
+        body = orjson.dumps(doc)
+    elif b"data: " in body:
+        body = b"".join(
+            orjson.dumps(
+                {k: v for k, v in orjson.loads(line[6:]).items() if k not in ("id", "created")}
+            )
+            if line.startswith(b"data: {")
+            else line
+            for line in body.split(b"\n")
+        )
+    return answer.status, headers, body
+
+
+CASES = {
+    "answer": (GOOD, "/v1/completions", {}),
+    "stream": (STREAM, "/v1/completions", {}),
+    "unknown model": (b'{"model": "nope"}', "/v1/completions", {}),
+    "not JSON": (b"{nope", "/v1/chat/completions", {}),
+    "no body": (b"", "/tokenize", {}),
+    "too large": (b'{"model": "m", "prompt": "' + b"y" * 5000 + b'"}', "/v1/completions", {}),
+    "client request id": (GOOD, "/v1/completions", {"X-Request-Id": "mine-1"}),
+    "query string": (GOOD, "/v1/completions?a=1&b=two", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_the_front_path_answers_as_aiohttp_does(served, case):
+    gw, worker = served
+    body, path, headers = CASES[case]
+    served_before, handed_before = counters(gw)
+    native = await exchange(gw.port, request(body, path=path, headers=headers))
+    assert counters(gw) == (served_before + 1, handed_before)
+    target = worker.stats.requests[-1].path if worker.stats.requests else None
+    via = await exchange(gw.port, request(body, path=path, headers={**headers, **VIA_AIOHTTP}))
+    assert counters(gw)[1] == handed_before + 1
+    assert comparable(native) == comparable(via)
+    assert native.closed == via.closed
+    if case == "client request id":
+        assert native.headers["x-request-id"] == via.headers["x-request-id"] == "mine-1"
+    if native.status == 200:
+        assert worker.stats.requests[-1].path == target  # the same target reached the worker
+
+
+async def test_other_requests_on_a_connection_go_to_aiohttp_in_order(served):
+    gw, _worker = served
+    conn = await Connection.open(gw.port)
+    try:
+        first = await conn.send(request(GOOD, close=False))
+        assert first.status == 200 and counters(gw) == (1, 0)
+        health = await conn.send(b"GET /health HTTP/1.1\r\nHost: g\r\n\r\n")
+        assert health.status == 200 and orjson.loads(health.body)["status"] == "ok"
+        assert counters(gw) == (1, 1)
+        # aiohttp owns the connection from then on, relay requests included.
+        again = await conn.send(request(GOOD, close=False))
+        assert again.status == 200 and counters(gw) == (1, 1)
+    finally:
+        conn.close()
+
+
+async def test_pipelined_requests_are_answered_in_order(served):
+    gw, _worker = served
+    ids = [f"pipe-{i}" for i in range(5)]
+    data = b"".join(request(GOOD, headers={"X-Request-Id": i}, close=False) for i in ids)
+    data += b"GET /health HTTP/1.1\r\nHost: g\r\n\r\n"  # then one for aiohttp
+    data += request(STREAM, headers={"X-Request-Id": "last"})
+    answers = await read_answers(gw.port, data, 7)
+    assert [a.headers.get("x-request-id") for a in answers[:5]] == ids
+    assert all(a.status == 200 for a in answers)
+    assert orjson.loads(answers[5].body)["status"] == "ok"
+    assert answers[6].headers["x-request-id"] == "last"
+    assert answers[6].body.rstrip().endswith(b"data: [DONE]")
+    assert counters(gw) == (5, 1)
+
+
+async def test_chunked_bodies_in_pieces_with_a_request_right_after(served):
+    gw, worker = served
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
+    # A chunk holding CRLF CRLF, a chunk extension and a trailer: the end is still found.
+    pieces = [GOOD[:10], b"       \r\n\r\n  ", GOOD[10:]]
+    body = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces[:2])
+    body += b"%x;ext=1\r\n%s\r\n" % (len(pieces[2]), pieces[2])
+    body += b"0\r\nX-Trailer: t\r\n\r\n"
+    then = request(GOOD, headers={"X-Request-Id": "next"})
+    stream = head + body + then
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        for i in range(0, len(stream), 7):  # 7 bytes at a time: every split point is met
+            writer.write(stream[i : i + 7])
+            await writer.drain()
+            await asyncio.sleep(0)
+        answers = await read_from(reader, 2)
+    finally:
+        writer.close()
+    assert [a.status for a in answers] == [200, 200]
+    assert answers[1].headers["x-request-id"] == "next"
+    relayed = [r for r in worker.stats.requests if r.path == "/v1/completions"]
+    assert relayed[0].body == b"".join(pieces) and relayed[1].body == GOOD
+    assert "X-Trailer" not in relayed[0].headers
+    assert counters(gw) == (2, 0)
+
+
+BAD_CHUNKS = {
+    "bad size": (b"zz\r\n" + GOOD + b"\r\n0\r\n\r\n", 400),
+    "no CRLF after the data": (b"%x\r\n" % len(GOOD) + GOOD + b"XX0\r\n\r\n", 400),
+    "cut short": (b"%x\r\n" % len(GOOD) + GOOD[:20], 408),  # the rest never comes
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CHUNKS))
+async def test_bad_chunk_framing_is_a_400_that_closes(served, case):
+    gw, worker = served
+    chunks, status = BAD_CHUNKS[case]
+    data = b"POST /v1/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
+    answer = await exchange(gw.port, data + chunks)
+    code = "malformed_request" if status == 400 else "request_timeout"
+    assert answer.status == status and answer.error()["code"] == code
+    assert answer.closed
+    assert not [r for r in worker.stats.requests if r.path == "/v1/completions"]
+    assert counters(gw) == (1, 0)
+
+
+async def test_connection_close_and_http_1_0(served):
+    gw, _worker = served
+    answer = await exchange(gw.port, request(GOOD, close=True))
+    assert answer.status == 200 and answer.closed and answer.headers["connection"] == "close"
+    old = request(GOOD, close=False).replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+    answer = await exchange(gw.port, old)
+    assert answer.status == 200 and answer.closed
+    assert counters(gw) == (1, 1)  # HTTP/1.0 is aiohttp's
+
+
+async def test_an_idle_connection_is_closed_after_the_header_timeout(served):
+    gw, _worker = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(request(GOOD, close=False))
+        answers = await read_from(reader, 1)
+        assert answers[0].status == 200
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        async with asyncio.timeout(5):
+            assert await reader.read() == b""  # closed by the gateway
+        assert 0.8 < loop.time() - t0 < 4  # header_timeout is 1 s
+    finally:
+        writer.close()
+
+
+async def test_shutdown_closes_idle_connections_and_lets_answers_finish(fake_worker):
+    from vllm_gateway.config import WorkerSpec
+    from vllm_gateway.server import start_server
+
+    worker = await fake_worker(models="m", ttft_ms=1, tpot_ms=30)
+    config = GatewayConfig(workers=(WorkerSpec(url=worker.url),))
+    gw = await start_server(create_app(config), "127.0.0.1", 0, shutdown_timeout=5)
+    try:
+        idle_r, idle_w = await asyncio.open_connection("127.0.0.1", gw.port)
+        busy_r, busy_w = await asyncio.open_connection("127.0.0.1", gw.port)
+        body = b'{"model": "m", "prompt": "x", "max_tokens": 20, "stream": true}'
+        busy_w.write(request(body, close=False))
+        await busy_r.readuntil(b"data: ")  # streaming
+        assert len(gw.app[FRONT].connections) == 2
+        await gw.stop_listening()
+        async with asyncio.timeout(3):
+            assert await idle_r.read() == b""  # the idle one is closed at once
+        async with asyncio.timeout(5):
+            rest = await busy_r.read()  # the stream finishes, then the connection closes
+        assert b"data: [DONE]" in rest and rest.endswith(b"0\r\n\r\n")
+    finally:
+        idle_w.close()
+        busy_w.close()
+        await gw.stop()
+
+
+def test_the_front_path_mirrors_every_middleware_of_the_relay_routes():
+    """Front.handle does what these middlewares do for a relay request (errors, client
+    keys; the siblings' fan-out skips relay paths). A new middleware must be added there
+    too, or relay requests on the front path would skip it."""
+    app = create_app(GatewayConfig())
+    names = [getattr(m, "__name__", repr(m)) for m in app.middlewares]
+    assert names == ["error_middleware", "middleware"], names
+    assert FrontConnection.method == "POST"
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+async def read_from(reader: asyncio.StreamReader, count: int) -> list[Answer]:
+    buf = b""
+    answers: list[Answer] = []
+    async with asyncio.timeout(10):
+        while len(answers) < count:
+            while (parsed := parse(buf)) is not None and len(answers) < count:
+                answer, used = parsed
+                answers.append(answer)
+                buf = buf[used:]
+            if len(answers) < count:
+                chunk = await reader.read(65536)
+                assert chunk, (answers, buf[:200])
+                buf += chunk
+    return answers
+
+
+async def read_answers(port: int, data: bytes, count: int) -> list[Answer]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        return await read_from(reader, count)
+    finally:
+        writer.close()
+
+
+HANDED_OVER = {
+    "Upgrade with Connection: upgrade": (
+        request(GOOD, headers={"Connection": "upgrade", "Upgrade": "websocket"}),
+        200,
+    ),
+    "Upgrade alone": (request(GOOD, headers={"Upgrade": "h2c"}), 200),
+    "Expect: 100-continue": (request(GOOD, headers={"Expect": "100-continue"}), 200),
+    "Content-Encoding": (request(GOOD, headers=VIA_AIOHTTP), 200),
+    "HTTP/1.0": (request(GOOD).replace(b"HTTP/1.1", b"HTTP/1.0", 1), 200),
+    "two Host headers": (request(GOOD, headers={"Host": "again"}), 400),
+    "NUL in a value": (request(GOOD, headers={"X-A": "a\x00b"}), 400),
+    "a percent-escape": (request(GOOD, path="/v1/completion%73"), 200),
+    "a plus in the query": (request(GOOD, path="/v1/completions?a=b+c"), 200),
+    # Relayed as sent; the worker itself says it has no such path.
+    "a dot segment": (request(GOOD, path="/v1/x/../completions"), 404),
+    "GET of a model path": (
+        b"GET /v1/models HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n",
+        200,
+    ),
+    "another path": (request(GOOD, path="/list_models"), 200),
+    "absolute-form target": (request(GOOD, path="http://g/v1/completions"), 200),
+    "a bad header line": (request(GOOD, headers={"Bad Name": "x"}), 400),
+}
+
+
+@pytest.mark.parametrize("case", list(HANDED_OVER))
+async def test_unusual_requests_are_handed_to_aiohttp(served, case):
+    gw, _ = served
+    data, status = HANDED_OVER[case]
+    answer = await exchange(gw.port, data)
+    assert answer.status == status, answer
+    if status == 400:
+        assert answer.error()["code"] == "malformed_request"
+    assert counters(gw) == (0, 1)
