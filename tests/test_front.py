@@ -16,7 +16,7 @@ import pytest
 from tests.rawhttp import Answer, Connection, exchange, parse, request
 from vllm_gateway.app import create_app
 from vllm_gateway.config import ClientConfig, GatewayConfig
-from vllm_gateway.front import FRONT, FrontConnection
+from vllm_gateway.front import FRONT, READ_LIMIT, FrontConnection
 from vllm_gateway.server import RunningServer
 
 pytestmark = pytest.mark.timeout(30)
@@ -120,6 +120,40 @@ async def test_pipelined_requests_are_answered_in_order(served):
     assert answers[6].headers["x-request-id"] == "last"
     assert answers[6].body.rstrip().endswith(b"data: [DONE]")
     assert counters(gw) == (5, 1)
+
+
+async def test_pipelined_requests_behind_a_stream_wait_in_a_bounded_buffer(fake_worker, gateway):
+    """A client that pipelines megabytes of requests behind a slow stream: the gateway reads
+    about READ_LIMIT of them, then stops reading until the stream's answer is out (the rest
+    waits in the kernel's socket buffers); then every request is answered, in order."""
+    worker = await fake_worker(models="m", ttft_ms=1, tpot_ms=40)
+    gw = await gateway([worker])
+    slow = b'{"model": "m", "prompt": "x", "max_tokens": 25, "stream": true}'  # about 1 s
+    big = orjson.dumps({"model": "m", "prompt": "p" * (64 * 1024), "max_tokens": 1})
+    ids = [f"big-{i}" for i in range(40)]  # 40 x 64 KiB: 2.6 MB behind the stream
+    data = request(slow, headers={"X-Request-Id": "slow"}, close=False)
+    data += b"".join(request(big, headers={"X-Request-Id": i}, close=False) for i in ids)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(data)
+        front = gw.app[FRONT]
+        async with asyncio.timeout(10):
+            while not front.connections:
+                await asyncio.sleep(0.01)
+        (conn,) = front.connections
+        largest, paused = 0, False
+        for _ in range(25):  # 0.5 s without reading an answer
+            largest = max(largest, len(conn.buf), len(conn.pending))
+            paused = paused or conn.read_paused
+            await asyncio.sleep(0.02)
+        assert paused, "reading did not pause behind the stream"
+        assert largest < READ_LIMIT + 512 * 1024 < len(data) // 2, largest
+        answers = await read_from(reader, 41)
+    finally:
+        writer.close()
+    assert [a.headers["x-request-id"] for a in answers] == ["slow", *ids]
+    assert all(a.status == 200 for a in answers)
+    assert answers[0].body.rstrip().endswith(b"data: [DONE]")
 
 
 async def test_chunked_bodies_in_pieces_with_a_request_right_after(served):
