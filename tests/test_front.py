@@ -327,3 +327,15 @@ async def test_unusual_requests_are_handed_to_aiohttp(served, case):
     if status == 400:
         assert answer.error()["code"] == "malformed_request"
     assert counters(gw) == (0, 1)
+
+
+async def test_client_front_path_false_serves_everything_with_aiohttp(fake_worker, gateway):
+    worker = await fake_worker(models="m", ttft_ms=1, tpot_ms=1)
+    on = await gateway([worker])
+    off = await gateway([worker], client=ClientConfig(front_path=False))
+    assert on.runner.server.front is on.app[FRONT]  # type: ignore[union-attr]
+    assert FRONT not in off.app and off.runner.server.front is None  # type: ignore[union-attr]
+    answer = await exchange(off.port, request(STREAM))
+    assert answer.status == 200 and answer.body.rstrip().endswith(b"data: [DONE]")
+    assert worker.stats.requests[-1].path == "/v1/completions"
+    assert on.app[FRONT].served == 0  # the other gateway's front path saw nothing

@@ -242,7 +242,8 @@ def create_app(
     app[DISCOVERY] = discovery
     app[GATEWAY] = gateway
     app[ERROR_HOOKS] = gateway.error_hooks
-    app[FRONT] = Front(routes, keys, gateway.error_hooks)  # relay requests, without aiohttp
+    if config.client.front_path:  # relay requests served without aiohttp (front.py)
+        app[FRONT] = Front(routes, keys, gateway.error_hooks)
     routes.add_to(app)
     status.add_to(app, metrics=config.telemetry.metrics, page=config.telemetry.status_page)
     dispatcher.on_release.extend([metrics.observe, gateway.retire_when_idle])

@@ -31,6 +31,7 @@ RESTART_ONLY = (
     "client.header_timeout",
     "client.max_header_bytes",
     "client.max_headers",
+    "client.front_path",
     "auth.forward_authorization",
     "auth.worker_api_key",
     "registration",
