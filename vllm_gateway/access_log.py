@@ -10,10 +10,10 @@ one line per attempt:
 
 `ttfb` and `duration` are seconds from dispatch (ttfb is null when no body byte was
 relayed), `waited` the seconds spent in the admission queue before it, `bytes` the
-response body bytes relayed, `outcome` one of dispatch's outcomes
-(ok, client_gone, unreachable, timeout, broken, shutdown). A request the gateway answered
-itself without a worker (400, 404, 413, 503, ...) is one line with `code` and outcome
-`rejected`. Lines carry event "request", so they are easy to select in a journal.
+response body bytes relayed, `outcome` one of dispatch's outcomes (ok, client_gone,
+unreachable, refused, timeout, broken, shutdown). A request the gateway answered itself
+without a worker (400, 404, 413, 503, ...) is one line with `code` and outcome `rejected`.
+Lines carry event "request", so they are easy to select in a journal.
 """
 
 from __future__ import annotations
