@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import FAST_PROBES, replace, wait_until
+from tests.rawhttp import exchange, request
 from vllm_gateway.app import GATEWAY, REGISTRY
 from vllm_gateway.exposition import Histogram
 from vllm_gateway.telemetry import TTFB_BUCKETS
@@ -326,3 +327,19 @@ async def test_admission_queue_and_learned_capacity_are_exported(fake_worker, ga
     wait = m["vllm_gateway_admission_queue_wait_seconds"]
     assert total(wait, "vllm_gateway_admission_queue_wait_seconds_count", model="m") == admitted
     assert total(wait, "vllm_gateway_admission_queue_wait_seconds_sum", model="m") > 0
+
+
+async def test_refused_malformed_http_is_counted(fake_worker, gateway, http):
+    """Requests aiohttp's parser refuses never reach routing; they are counted all the same."""
+    worker = await fake_worker(models="m")
+    gw = await gateway([worker])
+    smuggled = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 5\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+    )
+    for data in (smuggled, smuggled, request(b"{}", headers={"X-Big": "a" * 20_000})):
+        answer = await exchange(gw.port, data)
+        assert answer.status in (400, 431)
+    errors = (await scrape(http, gw))["vllm_gateway_errors"]
+    assert total(errors, "vllm_gateway_errors_total", status=400, code="malformed_request") == 2
+    assert total(errors, "vllm_gateway_errors_total", status=431, code="malformed_request") == 1

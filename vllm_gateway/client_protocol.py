@@ -20,6 +20,7 @@ that changes these internals fails loudly).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -32,6 +33,7 @@ from vllm_gateway.log import get_logger
 
 if TYPE_CHECKING:
     from vllm_gateway.front import Front
+    from vllm_gateway.routes import ErrorHook
 
 log = get_logger("vllm_gateway.client")
 
@@ -58,6 +60,9 @@ class ClientProtocol(RequestHandler):
         else:
             error = malformed(exc, message, status)
             log.debug("malformed request", peer=request.remote, error=error.message)
+        # Counted and logged like every error the gateway answers itself (metrics, access log).
+        for hook in self._manager.error_hooks:  # type: ignore[union-attr]
+            hook(error, request.method, request.path, None)
         response = error_response(error)
         response.force_close()  # the connection's framing can no longer be trusted
         return response
@@ -83,6 +88,7 @@ class ClientServer(web.Server):
     serve to a `ClientProtocol`; else a `ClientProtocol` straight away."""
 
     front: Front | None = None
+    error_hooks: Sequence[ErrorHook] = ()  # routes.ERROR_HOOKS: counters, access log
 
     def __call__(self) -> asyncio.Protocol:
         if self.front is not None:
@@ -108,13 +114,22 @@ class ClientServer(web.Server):
 class ClientRunner(web.AppRunner):
     """`web.AppRunner` whose connections are served by the gateway's protocols."""
 
-    def __init__(self, app: web.Application, *, front: Front | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        front: Front | None = None,
+        error_hooks: Sequence[ErrorHook] = (),
+        **kwargs,
+    ) -> None:
         super().__init__(app, **kwargs)
         self._front = front
+        self._error_hooks = error_hooks
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         # Same server, same state; only the protocol factory differs.
         server.__class__ = ClientServer
         server.front = self._front  # type: ignore[attr-defined]
+        server.error_hooks = self._error_hooks  # type: ignore[attr-defined]
         return server

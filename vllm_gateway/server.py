@@ -18,6 +18,7 @@ from aiohttp import web
 from vllm_gateway.client_protocol import ClientRunner
 from vllm_gateway.config import ClientConfig
 from vllm_gateway.front import FRONT
+from vllm_gateway.routes import ERROR_HOOKS
 
 
 class RunningServer:
@@ -73,6 +74,7 @@ async def start_server(
     runner = ClientRunner(
         app,
         front=front,
+        error_hooks=app.get(ERROR_HOOKS, ()),  # refusals of malformed HTTP are counted too
         handler_cancellation=True,  # a departed client cancels its handler (and the relay)
         access_log=None,  # the gateway writes its own, structured and opt-in
         shutdown_timeout=shutdown_timeout,
