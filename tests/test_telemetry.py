@@ -11,9 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import FAST_PROBES, replace, wait_until
 from tests.rawhttp import exchange, request
+from vllm_gateway import telemetry
 from vllm_gateway.app import GATEWAY, REGISTRY
 from vllm_gateway.exposition import Histogram
-from vllm_gateway.telemetry import TTFB_BUCKETS
+from vllm_gateway.telemetry import GONE_RETENTION_SECONDS, TTFB_BUCKETS, RequestMetrics
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -343,3 +344,43 @@ async def test_refused_malformed_http_is_counted(fake_worker, gateway, http):
     errors = (await scrape(http, gw))["vllm_gateway_errors"]
     assert total(errors, "vllm_gateway_errors_total", status=400, code="malformed_request") == 2
     assert total(errors, "vllm_gateway_errors_total", status=431, code="malformed_request") == 1
+
+
+def test_a_removed_workers_series_go_after_the_retention():
+    m = RequestMetrics()
+    for url in ("http://a:1", "http://b:1"):
+        m.requests[("m", url, 200, "ok")] = 3
+        m.duration[("m", url)] = Histogram(TTFB_BUCKETS)
+        m.ttfb[("m", url)] = Histogram(TTFB_BUCKETS)
+        m.response_bytes[("m", url)] = 10
+    m.prune({"http://a:1"}, now=1000.0)  # b is gone: kept for now
+    m.prune({"http://a:1"}, now=1000.0 + GONE_RETENTION_SECONDS - 1)
+    assert {k[1] for k in m.requests} == {"http://a:1", "http://b:1"}
+    m.prune({"http://a:1"}, now=1000.0 + GONE_RETENTION_SECONDS)
+    for table in (m.requests, m.duration, m.ttfb, m.response_bytes):
+        assert {k[1] for k in table} == {"http://a:1"}
+    assert m.gone_since == {}
+    # A worker that comes back within the retention keeps its series, and its clock restarts.
+    m.requests[("m", "http://c:1", 200, "ok")] = 1
+    m.prune({"http://a:1"}, now=5000.0)
+    m.prune({"http://a:1", "http://c:1"}, now=5001.0)
+    m.prune({"http://a:1"}, now=5000.0 + GONE_RETENTION_SECONDS + 1)
+    assert ("m", "http://c:1", 200, "ok") in m.requests
+
+
+async def test_metrics_of_a_removed_worker_leave_metrics(fake_worker, gateway, http, monkeypatch):
+    a, b = await fake_worker(models="m"), await fake_worker(models="m")
+    gw = await gateway([a, b])
+    for _ in range(4):
+        async with http.post(
+            gw.url + "/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 1}
+        ) as r:
+            assert r.status == 200
+    gw.app[REGISTRY].remove(b.url, "test")
+    assert b.url in await labelled_workers(http, gw)  # its last counts are still scraped
+    monkeypatch.setattr(telemetry, "GONE_RETENTION_SECONDS", 0.0)
+    assert await labelled_workers(http, gw) == {a.url}
+
+
+async def labelled_workers(http, gw) -> set[str]:
+    return {s.labels["worker"] for s in (await scrape(http, gw))["vllm_gateway_requests"]}

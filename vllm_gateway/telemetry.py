@@ -43,10 +43,16 @@ DURATION_BUCKETS = (
 QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+# A removed worker's series stay this long, so that scrapes see its last counts, then go:
+# with DNS discovery or autoscaling, worker URLs churn and would otherwise pile up (seconds).
+GONE_RETENTION_SECONDS = 600.0
+
+
 class RequestMetrics:
     """Counters of finished requests and of errors the gateway answered itself."""
 
     def __init__(self) -> None:
+        self.gone_since: dict[str, float] = {}  # worker URL -> when it was first seen gone
         # (model, worker, status, outcome) -> finished leases (one per attempt on a worker)
         self.requests: dict[tuple[str, str, int, str], int] = {}
         self.ttfb: dict[tuple[str, str], Histogram] = {}  # (model, worker)
@@ -87,6 +93,23 @@ class RequestMetrics:
         key = (error.status, error.code or error.type)
         self.errors[key] = self.errors.get(key, 0) + 1
 
+    def prune(self, live: set[str], now: float) -> None:
+        """Drop the series of workers that left the registry GONE_RETENTION_SECONDS ago."""
+        expired = set()
+        for url in {key[1] for key in self.requests}:
+            if url in live:
+                self.gone_since.pop(url, None)
+            elif now - self.gone_since.setdefault(url, now) >= GONE_RETENTION_SECONDS:
+                expired.add(url)
+        if not expired:
+            return
+        self.requests = {k: v for k, v in self.requests.items() if k[1] not in expired}
+        for table in (self.ttfb, self.duration, self.response_bytes):
+            for key in [k for k in table if k[1] in expired]:
+                del table[key]
+        for url in expired:
+            del self.gone_since[url]
+
 
 class ReloadCounters:
     """What the daemon did with configuration reloads (SIGHUP); read at scrape time."""
@@ -111,6 +134,7 @@ def render(
 ) -> str:
     """The whole /metrics document. `started` is the process start, in Unix seconds;
     `process` (with --processes N) labels every sample with the process's index."""
+    metrics.prune({worker.url for worker in registry}, time.monotonic())
     w = Writer((("process", process),) if process is not None else ())
     p = "vllm_gateway_"
 
@@ -124,8 +148,8 @@ def render(
         p + "requests_total",
         "counter",
         "Requests relayed to a worker, one per attempt, by model, worker, the status the "
-        "worker answered (0: none) and outcome (ok, client_gone, unreachable, timeout, "
-        "broken, shutdown).",
+        "worker answered (0: none) and outcome (ok, client_gone, unreachable, refused, "
+        "timeout, broken, shutdown). A removed worker's series go 10 minutes after it.",
     )
     for (model, url, status, outcome), n in sorted(metrics.requests.items()):
         labels = (("model", model), ("worker", url), ("status", status), ("outcome", outcome))
