@@ -19,7 +19,8 @@ import pytest
 from tests.conftest import wait_until
 from tests.rawhttp import Connection, exchange, request
 from vllm_gateway.app import REGISTRY
-from vllm_gateway.config import ClientConfig, TimeoutConfig
+from vllm_gateway.auth import hash_key
+from vllm_gateway.config import ApiKeyConfig, AuthConfig, ClientConfig, TimeoutConfig
 from vllm_gateway.fake_worker import FakeWorker
 from vllm_gateway.server import RunningServer
 
@@ -262,6 +263,60 @@ async def test_huge_bodies_get_413_without_being_read(served):
     assert (await exchange(gw.port, request(at_limit))).status == 200
     assert completions(worker) == 1
     await still_serves(gw, worker)
+
+
+async def test_an_early_answer_reaches_a_client_still_sending_its_body(fake_worker, gateway):
+    """401 (no key) and 413 (too large) are answered before the body is read. A client that
+    writes its whole body before it reads (as HTTP client libraries do) gets that answer on
+    either path, not a connection reset: the rest of the body is read and dropped."""
+    worker = await fake_worker(models="m")
+    keys = AuthConfig(keys={"k": ApiKeyConfig(sha256=hash_key("sk-right"))})
+    limits = ClientConfig(header_timeout=20.0, body_timeout=2.0)  # the linger's limit is 2 s
+    gw = await gateway([worker], max_body_bytes=64 * 1024, auth=keys, client=limits)
+    big = b'{"model": "m", "prompt": "' + b"y" * 2_000_000 + b'"}'  # 2 MB, sent 64 KiB a write
+    key = {"Authorization": "Bearer sk-right"}
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in split(big)) + b"0\r\n\r\n"
+    chunked = {**key, "Transfer-Encoding": "chunked"}
+    cases = [
+        (request(big), 401, "invalid_api_key"),
+        (request(big, headers=key), 413, "request_too_large"),
+        (request(b"", headers=chunked, length=False) + chunks, 413, "request_too_large"),
+    ]
+    for data, status, code in cases:
+        for via in (b"", b"Content-Encoding: identity\r\n"):  # the front path, aiohttp's
+            sent = data.replace(b"\r\n", b"\r\n" + via, 1)
+            answer = await exchange(gw.port, split(sent))
+            assert answer.status == status and answer.error()["code"] == code, (via, answer)
+            assert answer.closed
+    assert completions(worker) == 0
+    # The rest of a refused body is dropped for at most client.body_timeout, then the
+    # connection closes, even if the client never stops sending.
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: g\r\nContent-Length: 10000000000\r\n\r\n"
+    writer.write(head)
+    await reader.readuntil(b"\r\n\r\n")  # the 401
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 15:  # 15 s if nobody stopped it
+            writer.write(b"x" * 1000)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+    assert time.monotonic() - t0 < 8, "the rest of the body was read for ever"
+    await still_serves_with_key(gw, worker, key)
+
+
+def split(data: bytes, size: int = 65536) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+async def still_serves_with_key(gw: RunningServer, worker: FakeWorker, key: dict) -> None:
+    answer = await exchange(gw.port, request(GOOD, headers=key))
+    assert answer.status == 200, answer
+    assert completions(worker) == 1
 
 
 async def test_compressed_bodies_are_decoded_once_and_bombs_refused(served):

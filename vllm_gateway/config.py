@@ -117,7 +117,9 @@ class ClientConfig:
     )
     body_timeout: float = setting(
         60.0,
-        "Longest a client may take to send a request body; a slower one gets 408.",
+        "Longest a client may take to send a request body; a slower one gets 408. Also how "
+        "long the rest of a body answered early (401, 413) is read and dropped before the "
+        "connection closes.",
         unit="seconds",
         minimum=0.1,
     )

@@ -35,7 +35,10 @@ What the front path does itself, as aiohttp does it:
 - a client that goes away cancels its request's task (the relay then aborts the worker's
   request); a slow reader holds the relay back (`drain`, the transport's flow control);
 - an error answered before the request's body was whole, or that says so
-  (`GatewayError.closes_connection`), closes the connection after the answer;
+  (`GatewayError.closes_connection`), closes the connection after the answer; in the first
+  case only after reading and dropping the rest of the body for up to `client.body_timeout`
+  (a lingering close, as aiohttp's: a socket closed with unread bytes sends a reset, which
+  can destroy the answer before a client still sending its body reads it);
 - graceful shutdown (`Front.pre_shutdown`, `Front.shutdown`, called with aiohttp's own):
   idle connections close, busy ones close after their answer.
 """
@@ -131,13 +134,22 @@ class FrontConnection(RequestReader):
     """One client connection on the front path (module docstring): the request it serves
     (`FrontExchange`), read by `RequestReader`, and the connection's life here."""
 
-    __slots__ = ("_timer", "handed_off", "idle_until", "read_paused", "server", "task")
+    __slots__ = (
+        "_timer",
+        "handed_off",
+        "idle_until",
+        "lingering",
+        "read_paused",
+        "server",
+        "task",
+    )
 
     def __init__(self, front: Front, server: ClientServer) -> None:
         super().__init__(front)
         self.server = server
         self.task: asyncio.Task[None] | None = None
         self.handed_off = False
+        self.lingering = False
         self.read_paused = False
         self._timer: asyncio.TimerHandle | None = None
         self.idle_until = 0.0
@@ -168,6 +180,8 @@ class FrontConnection(RequestReader):
         self.parser = None  # the parser holds our callbacks: let the cycle go at once
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return  # the rest of a body that was refused (_linger)
         if self.task is None:
             self._read_head(data)
         elif not self.message_done:
@@ -211,14 +225,13 @@ class FrontConnection(RequestReader):
         transport = self.transport
         if transport is None:
             return
-        if (
-            not self.answer_done
-            or self.closing
-            or not self.keep_alive
-            or not self.message_done
-            or self.front.closing
-            or transport.is_closing()
-        ):
+        if not self.answer_done or self.front.closing or transport.is_closing():
+            transport.close()
+            return
+        if not self.message_done or self.body_error is not None:
+            self._linger(transport)  # the client may still be sending the body
+            return
+        if self.closing or not self.keep_alive:
             transport.close()
             return
         self._reset()
@@ -228,6 +241,23 @@ class FrontConnection(RequestReader):
             transport.resume_reading()
         if self.buf:
             self._read_head(b"")
+
+    def _linger(self, transport: asyncio.Transport) -> None:
+        """The answer is out (it said `Connection: close`) before the body was whole: end our
+        side, then read and drop what still comes until the client closes or
+        `client.body_timeout` passes (module docstring)."""
+        self.lingering = True
+        self.parser = None
+        self.buf.clear()
+        if transport.can_write_eof():
+            transport.write_eof()
+        if self._timer is not None:  # set for a later time (the head's): the linger is shorter
+            self._timer.cancel()
+            self._timer = None
+        self._arm_idle(self.front.limits.body_timeout)
+        if self.read_paused:
+            self.read_paused = False
+            transport.resume_reading()
 
     def close_when_idle(self) -> None:
         """Shutdown: close now if no request is being served, else after its answer."""
@@ -260,11 +290,14 @@ class FrontConnection(RequestReader):
             self.read_paused = False
             transport.resume_reading()
 
-    def _arm_idle(self) -> None:
+    def _arm_idle(self, seconds: float | None = None) -> None:
         # One timer re-armed lazily (as aiohttp's keep-alive timer): when it fires early,
         # it sets itself for the time left, so a request costs a clock read, not a timer.
+        # `seconds`: header_timeout unless given (the linger's limit).
         loop = self.loop
-        self.idle_until = loop.time() + self.front.limits.header_timeout
+        if seconds is None:
+            seconds = self.front.limits.header_timeout
+        self.idle_until = loop.time() + seconds
         if self._timer is None:
             self._timer = loop.call_at(self.idle_until, self._idle_check)
 
@@ -276,4 +309,6 @@ class FrontConnection(RequestReader):
         if self.loop.time() < self.idle_until:
             self._timer = self.loop.call_at(self.idle_until, self._idle_check)
             return
-        transport.close()  # no whole request head in time: a slow loris, or idle keep-alive
+        # No whole request head in time (a slow loris, an idle keep-alive connection), or the
+        # linger's time is up.
+        transport.close()

@@ -82,6 +82,10 @@ async def start_server(
         # this long after it opened or after its previous answer: a slow-loris guard, and
         # the idle keep-alive limit (aiohttp's own default is an hour).
         keepalive_timeout=client.header_timeout,
+        # After an answer given before the body was whole, the rest of it is read and dropped
+        # this long at most (so the client reads the answer, not a reset); the front path's
+        # linger is the same.
+        lingering_time=client.body_timeout,
         max_line_size=client.max_header_bytes,
         max_field_size=client.max_header_bytes,
         max_headers=client.max_headers,
