@@ -32,6 +32,7 @@ What the front path does itself, as aiohttp does it:
   opened or after its last answer is closed (a slow-loris guard; the keep-alive limit);
 - the body, by Content-Length or chunked, within `max_body_bytes` (413) and
   `client.body_timeout` (408) as `Routes._read_body` rules; bad chunk framing is a 400;
+  trailers are dropped, within the limits on headers (431);
 - a client that goes away cancels its request's task (the relay then aborts the worker's
   request); a slow reader holds the relay back (`drain`, the transport's flow control);
 - an error answered before the request's body was whole, or that says so

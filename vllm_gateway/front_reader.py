@@ -17,8 +17,10 @@ import re
 from typing import TYPE_CHECKING
 
 import httptools
+from aiohttp.http_exceptions import LineTooLong
 
 from vllm_gateway.client_protocol import malformed
+from vllm_gateway.errors import MalformedRequest
 from vllm_gateway.front_exchange import FrontExchange
 from vllm_gateway.log import get_logger
 from vllm_gateway.routes import is_model_path
@@ -70,7 +72,9 @@ class RequestReader(FrontExchange):
         "head_done",
         "parser",
         "pending",
+        "quiet",
         "target",
+        "trailers",
         "unusual",
     )
 
@@ -93,6 +97,8 @@ class RequestReader(FrontExchange):
         self.chunked = False
         self.body_left = 0
         self._tail = b""
+        self.trailers = 0  # trailer lines of a chunked body
+        self.quiet = 0  # body bytes fed in a row that gave neither body nor a trailer
 
     def _start_request(self) -> None:
         raise NotImplementedError
@@ -107,7 +113,16 @@ class RequestReader(FrontExchange):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.head_done:
-            return  # a trailer of a chunked body: not one of the request's headers
+            # A trailer of a chunked body: not one of the request's headers, but bounded as
+            # they are (aiohttp counts the trailers with the headers).
+            self.trailers += 1
+            limits = self.front.limits
+            if (
+                len(name) + len(value) > limits.max_header_bytes
+                or len(self.raw_headers) + self.trailers > limits.max_headers
+            ):
+                self.body_done(_too_large())
+            return
         value = value.rstrip(b" \t")  # as aiohttp: llhttp strips the whitespace before only
         self.raw_headers.append((name, value))
         lower = name.lower()
@@ -266,9 +281,24 @@ class RequestReader(FrontExchange):
         parser = self.parser
         if not data or parser is None or self.body_error is not None:
             return
+        size, trailers = self.body_size, self.trailers
         try:
             parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
             error = malformed(e, str(e), 400)
             log.debug("malformed request", peer=self.remote, error=error.message)
             self.body_done(error)
+            return
+        if self.body_size != size or self.trailers != trailers or self.message_done:
+            self.quiet = 0
+            return
+        # Only chunk framing or a trailer line not yet ended, which the parser holds whole
+        # until its end: bounded as a header line is (within one read).
+        self.quiet += len(data)
+        if self.quiet > self.front.limits.max_header_bytes:
+            self.body_done(_too_large())
+
+
+def _too_large() -> MalformedRequest:
+    """The 431 aiohttp answers for a header line too long, or too many of them."""
+    return malformed(LineTooLong("trailer"), None, 431)
