@@ -342,6 +342,8 @@ HANDED_OVER = {
     "another path": (request(GOOD, path="/list_models"), 200),
     "absolute-form target": (request(GOOD, path="http://g/v1/completions"), 200),
     "a bad header line": (request(GOOD, headers={"Bad Name": "x"}), 400),
+    # aiohttp refuses the old websocket handshake's header; the worker must not be asked.
+    "Sec-WebSocket-Key1": (request(GOOD, headers={"Sec-WebSocket-Key1": "x"}), 400),
 }
 
 

@@ -14,11 +14,12 @@ Anything else goes to aiohttp, for the rest of the connection (`_hand_off`): the
 builds the `ClientProtocol` aiohttp would have built, makes it the transport's protocol and
 feeds it every byte read of the request so far, so aiohttp serves it as if it had owned the
 connection from that request on. Handed over: another method or path, HTTP/1.0, `Expect`,
-`Upgrade`, `Content-Encoding`, a transfer coding other than `chunked`, a target with a
-percent-escape, `+`, a dot segment or an empty segment, a header aiohttp allows once given
-twice, a NUL in a value, no `Host`, a head longer than `client.max_header_bytes` or with more
-than `client.max_headers` lines, and whatever the parser refuses. aiohttp then answers as
-it always did (the refusals as OpenAI errors: client_protocol.py).
+`Upgrade`, `Content-Encoding`, `Sec-WebSocket-Key1`, a transfer coding other than `chunked`,
+a target with a percent-escape, `+`, a dot segment or an empty segment, a header aiohttp
+allows once given twice, a NUL in a value, no `Host`, a head longer than
+`client.max_header_bytes` or with more than `client.max_headers` lines, and whatever the
+parser refuses. aiohttp then answers as it always did (the refusals as OpenAI errors:
+client_protocol.py).
 
 A connection's parts: `front_exchange.FrontExchange` is the request being served and its
 answer, `front_reader.RequestReader` reads requests and decides which are served here, and

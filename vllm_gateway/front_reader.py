@@ -50,8 +50,9 @@ _SINGLETONS = frozenset(
         b"user-agent",
     }
 )
-# Headers whose meaning aiohttp's server implements: a request with one is handed over.
-_HANDED_OVER = frozenset({b"expect", b"upgrade", b"content-encoding"})
+# Headers whose meaning aiohttp's server implements: a request with one is handed over
+# (and Sec-WebSocket-Key1, of the old websocket handshake, which aiohttp refuses).
+_HANDED_OVER = frozenset({b"expect", b"upgrade", b"content-encoding", b"sec-websocket-key1"})
 _NOTABLE = _SINGLETONS | _HANDED_OVER
 _CRLF2 = b"\r\n\r\n"
 
