@@ -9,6 +9,7 @@ request through aiohttp's path (the front path hands over any Content-Encoding).
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import orjson
 import pytest
@@ -228,6 +229,33 @@ async def test_trailers_are_bounded_as_headers_are(served, case):
         assert answer.closed
     assert not [r for r in worker.stats.requests if r.path == "/v1/completions"]
     assert counters(gw) == (1, len(vias) - 1)
+
+
+async def test_a_body_in_tiny_chunks_is_held_in_about_its_own_size(fake_worker, gateway):
+    """A chunked body of 200,000 two-byte chunks (400 kB) is held in about 400 kB while it
+    arrives, not in an object per chunk (about 20 times the body), as aiohttp holds it."""
+    worker = await fake_worker(models="m")
+    gw = await gateway([worker], max_body_bytes=1 << 20, client=ClientConfig(body_timeout=10))
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: g\r\nTransfer-Encoding: chunked\r\n\r\n"
+    body = b'{"model": "m", "max_tokens": 1, "prompt": "' + b"ab" * 200_000 + b'"}'
+    pieces = [body[i : i + 2] for i in range(0, len(body), 2)]
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+    reader, writer = await asyncio.open_connection("127.0.0.1", gw.port)
+    try:
+        writer.write(head + chunks)  # not the last chunk yet: the body is held
+        front = gw.app[FRONT]
+        async with asyncio.timeout(10):
+            while not front.connections or next(iter(front.connections)).body_size < len(body):
+                await asyncio.sleep(0.01)
+        (conn,) = front.connections
+        held = sys.getsizeof(conn.body_parts) + sum(sys.getsizeof(p) for p in conn.body_parts)
+        assert held < 2 * len(body), held
+        writer.write(b"0\r\n\r\n")
+        (answer,) = await read_from(reader, 1)
+    finally:
+        writer.close()
+    assert answer.status == 200
+    assert worker.stats.last("/v1/completions").body == body
 
 
 async def test_connection_close_and_http_1_0(served):

@@ -34,6 +34,9 @@ _SERVER = SERVER_SOFTWARE.encode()
 _NO_BODY = frozenset({204, 304})
 # Body bytes at least this long are written beside the head rather than copied onto it.
 _COPY_LIMIT = 16 * 1024
+# A request body is kept as the pieces the parser gives, up to this many (the common body
+# comes in one or a few); later pieces are appended to one buffer.
+_MAX_PARTS = 64
 
 
 class DateHeader:
@@ -100,7 +103,7 @@ class FrontExchange(asyncio.Protocol):
         self.path = ""
         self.path_qs = ""
         self.content_length: int | None = None
-        self.body_parts: list[bytes] = []
+        self.body_parts: list[bytes | bytearray] = []  # one buffer last if many (on_body)
         self.body_size = 0
         self.body_error: GatewayError | None = None
         self._body_waiter: asyncio.Future[None] | None = None
@@ -128,7 +131,15 @@ class FrontExchange(asyncio.Protocol):
         if size > limit:
             self.body_done(BodyTooLarge(f"The request body is too large: more than {limit} bytes."))
             return
-        self.body_parts.append(body)
+        parts = self.body_parts
+        if len(parts) < _MAX_PARTS:
+            parts.append(body)
+            return
+        # A body in many pieces (tiny chunks): the rest goes into one buffer, not an object
+        # per piece (about 35 bytes each, however small the piece).
+        if type(parts[-1]) is not bytearray:
+            parts.append(bytearray())
+        parts[-1] += body
 
     def body_done(self, error: GatewayError | None = None) -> None:
         """The request's body ended (or failed with `error`: nothing more is read, and the
@@ -175,7 +186,8 @@ class FrontExchange(asyncio.Protocol):
         if self.body_error is not None:
             raise self.body_error
         parts, self.body_parts = self.body_parts, []  # the caller holds the body now
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        # One piece is the parser's own bytes (a buffer comes only after _MAX_PARTS pieces).
+        return parts[0] if len(parts) == 1 else b"".join(parts)  # type: ignore[return-value]
 
     def release_body(self) -> None:
         pass  # read_body kept no copy
