@@ -87,6 +87,19 @@ async def test_request_smuggling_is_refused(served, case):
     await still_serves(gw, worker)
 
 
+async def test_a_length_with_thousands_of_leading_zeros_is_read_by_its_value(served, logs):
+    """The parser reads `Content-Length: 000...047` by its value; Python's int() refuses a
+    string of more than 4,300 digits. On either path the request is served, not a 500."""
+    gw, worker = served
+    for via in ({}, {"Content-Encoding": "identity"}):  # the front path, aiohttp's
+        data = request(GOOD, headers=via)
+        data = data.replace(b"Content-Length: ", b"Content-Length: " + b"0" * 5000, 1)
+        answer = await exchange(gw.port, data)
+        assert answer.status == 200, answer
+    assert completions(worker) == 2
+    assert not [r for r in logs.records() if r.get("level") == "error"]
+
+
 async def test_bytes_after_the_body_are_the_next_request_never_the_workers(served):
     gw, worker = served
     # A body with an HTTP request inside a JSON string, then a second request on the same

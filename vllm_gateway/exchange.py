@@ -144,7 +144,10 @@ class AiohttpExchange:
 
     @property
     def content_length(self) -> int | None:
-        return self.request.content_length
+        try:
+            return self.request.content_length
+        except ValueError:  # more digits (leading zeros) than int() takes; the parser read
+            return None  # the body by its value all the same, within client_max_size
 
     @property
     def request_id(self) -> str | None:
