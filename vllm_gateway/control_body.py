@@ -21,7 +21,11 @@ MAX_CONTROL_BODY_BYTES = 64 * 1024
 
 async def read_json(request: web.Request) -> dict[str, Any]:
     """The request's JSON object body; an empty body is an empty object."""
-    if request.content_length is not None and request.content_length > MAX_CONTROL_BODY_BYTES:
+    try:
+        declared = request.content_length
+    except ValueError:  # more digits (leading zeros) than int() takes: judge the body itself
+        declared = None
+    if declared is not None and declared > MAX_CONTROL_BODY_BYTES:
         raise BadRequest(f"Control request bodies are limited to {MAX_CONTROL_BODY_BYTES} bytes.")
     # request.read(), not request.content: with `--processes N` the siblings middleware has
     # already read the body to fan it out, and only read() returns it again (cached). A
