@@ -289,12 +289,17 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 
 def start_relays(
-    backend_url: str, router_bin: str | None, procs: list[Proc], *, direct: bool = True
+    backend_url: str,
+    router_bin: str | None,
+    procs: list[Proc],
+    *,
+    direct: bool = True,
+    gateway_processes: int = 1,
 ) -> list[tuple[str, str, Proc | None]]:
     """The targets to measure as (name, url, relay process): the backend itself (`direct`),
-    the gateway, and vllm-router when installed, each started in front of `backend_url`
-    and added to `procs` (which the caller stops)."""
-    gateway, gw_url = start_gateway(backend_url)
+    the gateway (`serve --processes gateway_processes`), and vllm-router when installed,
+    each started in front of `backend_url` and added to `procs` (which the caller stops)."""
+    gateway, gw_url = start_gateway(backend_url, gateway_processes)
     procs.append(gateway)
     targets: list[tuple[str, str, Proc | None]] = [("direct", backend_url, None)] if direct else []
     targets.append(("gateway", gw_url, gateway))
@@ -328,7 +333,9 @@ def mode_requests(args: argparse.Namespace, router_bin: str | None) -> dict:
     backend, backend_url = requests_backend(args)
     procs = [backend]
     try:
-        targets = start_relays(backend_url, router_bin, procs)
+        targets = start_relays(
+            backend_url, router_bin, procs, gateway_processes=args.gateway_processes
+        )
         for _, url, _ in targets:  # warm up: connections, caches, the JIT-less interpreter
             requests_load(argparse.Namespace(**{**vars(args), "duration": 1.0}), url)
         runs = measure_rounds(
@@ -376,7 +383,9 @@ def mode_stream(args: argparse.Namespace, router_bin: str | None) -> dict:
     backend, backend_url = start_backend(args, args.chunks, args.pace_ms)
     procs = [backend]
     try:
-        targets = start_relays(backend_url, router_bin, procs)
+        targets = start_relays(
+            backend_url, router_bin, procs, gateway_processes=args.gateway_processes
+        )
         runs = measure_rounds(
             args, targets, lambda url, relay: measure_streams(args, url, relay, args.streams)
         )
@@ -559,6 +568,13 @@ def main(argv: list[str]) -> None:
         action="store_true",
         help="requests mode against the fake vLLM worker (answering at once) instead of a "
         "fixed-answer backend: the gateway's added latency over a vLLM-shaped server",
+    )
+    p.add_argument(
+        "--gateway-processes",
+        type=int,
+        default=1,
+        help="requests and stream modes: run the gateway as `serve --processes N` "
+        "(its CPU is summed over the processes)",
     )
     p.add_argument("--json", help="also write every run's figures to this file")
     args = p.parse_args(argv)
