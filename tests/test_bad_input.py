@@ -421,3 +421,19 @@ async def test_model_names_with_path_characters_reach_no_worker(served):
     # A slash is legal in a model name ("org/name") and served as any other.
     body = orjson.dumps({"model": "org/model-v2", "prompt": "x", "max_tokens": 1})
     assert (await exchange(gw.port, request(body))).status == 200
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["/v1/%2e%2e/reset_prefix_cache", "/v1/%2E%2E/%2e%2e/sleep", "/v1/./completions", "/v1/x/.."],
+)
+async def test_dot_segments_in_a_target_reach_no_worker(served, target):
+    """aiohttp decodes `%2e%2e` to `..`: relayed, a worker behind a proxy that resolves dot
+    segments could be reached outside the model paths. Refused, on either server path."""
+    gw, worker = served
+    for via in ({}, {"Content-Encoding": "identity"}):
+        answer = await exchange(gw.port, request(GOOD, path=target, headers=via))
+        assert answer.status == 404 and answer.error()["code"] == "unknown_url", answer
+    assert all(".." not in r.path and "/./" not in r.path for r in worker.stats.requests)
+    assert completions(worker) == 0
+    await still_serves(gw, worker)

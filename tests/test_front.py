@@ -361,7 +361,7 @@ HANDED_OVER = {
     "NUL in a value": (request(GOOD, headers={"X-A": "a\x00b"}), 400),
     "a percent-escape": (request(GOOD, path="/v1/completion%73"), 200),
     "a plus in the query": (request(GOOD, path="/v1/completions?a=b+c"), 200),
-    # Relayed as sent; the worker itself says it has no such path.
+    # Refused by aiohttp's path (routes.has_dot_segment): never relayed.
     "a dot segment": (request(GOOD, path="/v1/x/../completions"), 404),
     "GET of a model path": (
         b"GET /v1/models HTTP/1.1\r\nHost: g\r\nConnection: close\r\n\r\n",

@@ -62,6 +62,11 @@ def is_model_path(path: str) -> bool:
     return path.startswith("/v1/") or path in ROOT_MODEL_PATHS
 
 
+def has_dot_segment(path: str) -> bool:
+    """Does the (decoded) `path` have a `.` or `..` segment?"""
+    return "/." in path and any(segment in (".", "..") for segment in path.split("/"))
+
+
 class RequestIds:
     """Unique, cheap request ids: a random prefix per app (so per process, also after a
     fork) and a counter."""
@@ -172,6 +177,10 @@ class Routes:
 
     async def relay_request(self, request: web.Request) -> web.StreamResponse:
         """aiohttp's handler for the relay paths: the requests front.py handed to aiohttp."""
+        if has_dot_segment(request.path):
+            # aiohttp decodes `%2e%2e` to `..`; relayed, a worker behind a proxy that
+            # resolves dot segments could be reached outside the model paths.
+            raise RouteNotFound("Dot segments (`.`, `..`, or encoded) are not relayed.")
         exchange = AiohttpExchange(request)
         await self.relay_exchange(exchange)
         assert exchange.response is not None  # relay answers or raises
