@@ -39,7 +39,7 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.procs import Proc, free_port, wait_http
-from vllm_gateway.server import new_event_loop
+from vllm_gateway.http.server import new_event_loop
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench-out"

@@ -21,9 +21,9 @@ import aiohttp
 
 from vllm_gateway import log as logging_setup
 from vllm_gateway.app import GATEWAY, create_app
-from vllm_gateway.config import GatewayConfig, ProbeConfig, ScrapeConfig, WorkerSpec
+from vllm_gateway.config.gateway import GatewayConfig, ProbeConfig, ScrapeConfig, WorkerSpec
 from vllm_gateway.fake_worker import FakeWorker, FakeWorkerConfig
-from vllm_gateway.server import start_server
+from vllm_gateway.http.server import start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 
 from vllm_gateway import log as logging_setup
-from vllm_gateway.access_log import AccessLog
-from vllm_gateway.config import ScrapeConfig
-from vllm_gateway.dispatch import Dispatcher, Lease
-from vllm_gateway.policies import make_policy
-from vllm_gateway.request_info import RequestInfo
-from vllm_gateway.scrape import Scraper
-from vllm_gateway.telemetry import (
+from vllm_gateway.config.gateway import ScrapeConfig
+from vllm_gateway.dispatch.dispatcher import Dispatcher, Lease
+from vllm_gateway.dispatch.policies import make_policy
+from vllm_gateway.dispatch.request_info import RequestInfo
+from vllm_gateway.fleet.scrape import Scraper
+from vllm_gateway.observe.access_log import AccessLog
+from vllm_gateway.observe.telemetry import (
     DURATION_BUCKETS,
     TTFB_BUCKETS,
     ReloadCounters,

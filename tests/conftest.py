@@ -19,9 +19,9 @@ import pytest
 
 from vllm_gateway import log as log_setup
 from vllm_gateway.app import create_app
-from vllm_gateway.config import GatewayConfig, ProbeConfig, WorkerSpec
+from vllm_gateway.config.gateway import GatewayConfig, ProbeConfig, WorkerSpec
 from vllm_gateway.fake_worker import FakeWorker, FakeWorkerConfig
-from vllm_gateway.server import RunningServer, start_server
+from vllm_gateway.http.server import RunningServer, start_server
 
 # Probes fast enough that a test sees state changes within a fraction of a second.
 FAST_PROBES = ProbeConfig(

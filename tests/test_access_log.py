@@ -13,7 +13,7 @@ import structlog
 from tests.conftest import wait_until
 from vllm_gateway import log as logging_setup
 from vllm_gateway.app import REGISTRY
-from vllm_gateway.config import LogConfig
+from vllm_gateway.config.gateway import LogConfig
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,9 +10,9 @@ import orjson
 import pytest
 
 from tests.conftest import STEADY_PROBES
-from vllm_gateway.admin_client import AdminClient, AdminError
 from vllm_gateway.app import REGISTRY
-from vllm_gateway.config import AdminConfig
+from vllm_gateway.cli.admin_client import AdminClient, AdminError
+from vllm_gateway.config.gateway import AdminConfig
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -143,7 +143,7 @@ async def test_unknown_alias_target_is_a_404_naming_models(fake_worker, gateway,
 
 
 def test_check_config_masks_the_control_tokens():
-    from vllm_gateway.config import effective_toml, load_config
+    from vllm_gateway.config.gateway import effective_toml, load_config
 
     env = {
         "VLLM_GATEWAY_ADMIN_TOKEN": "adm-s3cr3t",

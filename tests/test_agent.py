@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import wait_until
 from vllm_gateway.app import REGISTRATION, REGISTRY
-from vllm_gateway.config import RegistrationConfig
+from vllm_gateway.config.gateway import RegistrationConfig
 from vllm_gateway.workers import WorkerState
 
 pytestmark = pytest.mark.timeout(60)

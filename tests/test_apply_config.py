@@ -9,9 +9,9 @@ import pytest
 
 from tests.conftest import wait_until
 from vllm_gateway.app import GATEWAY, REGISTRY
-from vllm_gateway.config import ModelConfig, TimeoutConfig, WorkerSpec
+from vllm_gateway.config.gateway import ModelConfig, TimeoutConfig, WorkerSpec
 from vllm_gateway.errors import ConfigError
-from vllm_gateway.reload import apply_config
+from vllm_gateway.process.reload import apply_config
 from vllm_gateway.workers import WorkerState
 
 pytestmark = pytest.mark.timeout(30)
@@ -134,7 +134,7 @@ async def test_access_log_switched_by_reload(fake_worker, gateway):
 
 
 async def test_breaker_aliases_and_admin_token_follow_a_reload(fake_worker, gateway, http):
-    from vllm_gateway.config import AdminConfig, BreakerConfig
+    from vllm_gateway.config.gateway import AdminConfig, BreakerConfig
 
     gw = await gateway([await fake_worker(models="m")])
     g = gw.app[GATEWAY]

@@ -13,9 +13,9 @@ from aiohttp import web
 
 from tests.conftest import STEADY_PROBES
 from vllm_gateway.app import AUTOSCALER, REGISTRY
-from vllm_gateway.config import AdminConfig, AutoscaleConfig, ScaleRule, ScrapeConfig
+from vllm_gateway.config.gateway import AdminConfig, AutoscaleConfig, ScaleRule, ScrapeConfig
 from vllm_gateway.fake_worker import FakeWorker, FakeWorkerConfig
-from vllm_gateway.server import start_server
+from vllm_gateway.http.server import start_server
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -19,10 +19,10 @@ import pytest
 from tests.conftest import wait_until
 from tests.rawhttp import Connection, exchange, request
 from vllm_gateway.app import REGISTRY
-from vllm_gateway.auth import hash_key
-from vllm_gateway.config import ApiKeyConfig, AuthConfig, ClientConfig, TimeoutConfig
+from vllm_gateway.config.gateway import ApiKeyConfig, AuthConfig, ClientConfig, TimeoutConfig
 from vllm_gateway.fake_worker import FakeWorker
-from vllm_gateway.server import RunningServer
+from vllm_gateway.http.keys import hash_key
+from vllm_gateway.http.server import RunningServer
 
 pytestmark = pytest.mark.timeout(30)
 

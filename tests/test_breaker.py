@@ -7,12 +7,12 @@ import asyncio
 import pytest
 
 from tests.conftest import wait_until
-from vllm_gateway import dispatch
-from vllm_gateway.breaker import CircuitBreaker
-from vllm_gateway.config import BreakerConfig
-from vllm_gateway.dispatch import Dispatcher, Lease
-from vllm_gateway.policies import make_policy
-from vllm_gateway.request_info import RequestInfo
+from vllm_gateway.config.gateway import BreakerConfig
+from vllm_gateway.dispatch import dispatcher as dispatch
+from vllm_gateway.dispatch.dispatcher import Dispatcher, Lease
+from vllm_gateway.dispatch.policies import make_policy
+from vllm_gateway.dispatch.request_info import RequestInfo
+from vllm_gateway.fleet.breaker import CircuitBreaker
 from vllm_gateway.workers import Circuit, WorkerRegistry, WorkerState
 
 pytestmark = pytest.mark.timeout(10)

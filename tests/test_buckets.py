@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_gateway.buckets import PROBE_HOLDOFF, Buckets
-from vllm_gateway.config import DispatchConfig
+from vllm_gateway.config.gateway import DispatchConfig
+from vllm_gateway.dispatch.buckets import PROBE_HOLDOFF, Buckets
 from vllm_gateway.workers import EngineStats, Worker, WorkerRegistry, WorkerState
 
 

@@ -12,8 +12,8 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from vllm_gateway.cli import main
-from vllm_gateway.config_docs import render_reference
+from vllm_gateway.cli.main import main
+from vllm_gateway.config.docs import render_reference
 
 pytestmark = pytest.mark.timeout(60)
 DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")
@@ -64,7 +64,7 @@ def test_check_config_reports_each_mistake(tmp_path):
 def test_configuration_reference_is_current():
     with open(DOCS) as f:
         assert f.read() == render_reference(), (
-            "docs/configuration.md is stale: python -m vllm_gateway.config_docs > "
+            "docs/configuration.md is stale: python -m vllm_gateway.config.docs > "
             "docs/configuration.md"
         )
 

@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from vllm_gateway.autoscale import Autoscaler
-from vllm_gateway.config import AutoscaleConfig, ScaleRule
-from vllm_gateway.demand import desired_workers, measure
+from vllm_gateway.config.gateway import AutoscaleConfig, ScaleRule
+from vllm_gateway.fleet.autoscale import Autoscaler
+from vllm_gateway.fleet.demand import desired_workers, measure
 from vllm_gateway.workers import EngineStats, WorkerRegistry, WorkerState
 
 

@@ -9,11 +9,11 @@ import pytest
 
 from tests.conftest import wait_until
 from vllm_gateway.app import DISCOVERY, GATEWAY, REGISTRY
-from vllm_gateway.config import DiscoveryConfig, DnsName
-from vllm_gateway.discovery import DnsDiscovery, worker_url
-from vllm_gateway.fleet import Fleet
-from vllm_gateway.health import ProbeResult
-from vllm_gateway.reload import apply_config
+from vllm_gateway.config.gateway import DiscoveryConfig, DnsName
+from vllm_gateway.fleet.discovery.dns import DnsDiscovery, worker_url
+from vllm_gateway.fleet.health import ProbeResult
+from vllm_gateway.fleet.operations import Fleet
+from vllm_gateway.process.reload import apply_config
 from vllm_gateway.workers import WorkerRegistry, WorkerState
 
 pytestmark = pytest.mark.timeout(30)

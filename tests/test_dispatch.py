@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from vllm_gateway.config import DispatchConfig
-from vllm_gateway.dispatch import CLIENT_GONE, Dispatcher
+from vllm_gateway.config.gateway import DispatchConfig
+from vllm_gateway.dispatch.dispatcher import CLIENT_GONE, Dispatcher
+from vllm_gateway.dispatch.policies import POLICIES, make_policy
+from vllm_gateway.dispatch.request_info import parse_request
 from vllm_gateway.errors import NoWorkerAvailable, QueueFull, QueueTimeout
-from vllm_gateway.policies import POLICIES, make_policy
-from vllm_gateway.request_info import parse_request
 from vllm_gateway.workers import EngineStats, WorkerRegistry, WorkerState
 
 pytestmark = pytest.mark.timeout(10)

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import wait_until
 from vllm_gateway.app import DISPATCHER
-from vllm_gateway.config import DispatchConfig, ModelConfig, ScrapeConfig
+from vllm_gateway.config.gateway import DispatchConfig, ModelConfig, ScrapeConfig
 
 pytestmark = pytest.mark.timeout(40)
 

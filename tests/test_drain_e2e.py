@@ -9,9 +9,9 @@ import openai
 import pytest
 
 from tests.conftest import STEADY_PROBES, wait_until
-from vllm_gateway.admin_client import AdminClient
 from vllm_gateway.app import REGISTRY
-from vllm_gateway.config import AdminConfig, BreakerConfig
+from vllm_gateway.cli.admin_client import AdminClient
+from vllm_gateway.config.gateway import AdminConfig, BreakerConfig
 from vllm_gateway.workers import Circuit, WorkerState
 
 pytestmark = pytest.mark.timeout(45)

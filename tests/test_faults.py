@@ -21,10 +21,10 @@ from structlog.testing import capture_logs
 from tests.conftest import wait_until
 from tests.scripted_worker import LAST_CHUNK, SSE_HEAD, ScriptedWorker, chunk, response
 from vllm_gateway.app import DISPATCHER, REGISTRY
-from vllm_gateway.config import ProbeConfig, RetryConfig, TimeoutConfig
+from vllm_gateway.config.gateway import ProbeConfig, RetryConfig, TimeoutConfig
 from vllm_gateway.fake_worker import FakeWorker
-from vllm_gateway.server import RunningServer
-from vllm_gateway.upstream import UpstreamPool
+from vllm_gateway.http.server import RunningServer
+from vllm_gateway.proxy.pool import UpstreamPool
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from vllm_gateway.app import ALIASES, REGISTRY
-from vllm_gateway.cli import main
-from vllm_gateway.config import AdminConfig
+from vllm_gateway.cli.main import main
+from vllm_gateway.config.gateway import AdminConfig
 from vllm_gateway.workers import WorkerState
 
 pytestmark = pytest.mark.timeout(30)

@@ -16,9 +16,9 @@ import pytest
 
 from tests.rawhttp import Answer, Connection, exchange, parse, request
 from vllm_gateway.app import create_app
-from vllm_gateway.config import ClientConfig, GatewayConfig
-from vllm_gateway.front import FRONT, READ_LIMIT, FrontConnection
-from vllm_gateway.server import RunningServer
+from vllm_gateway.config.gateway import ClientConfig, GatewayConfig
+from vllm_gateway.http.front import FRONT, READ_LIMIT, FrontConnection
+from vllm_gateway.http.server import RunningServer
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -285,8 +285,8 @@ async def test_an_idle_connection_is_closed_after_the_header_timeout(served):
 
 
 async def test_shutdown_closes_idle_connections_and_lets_answers_finish(fake_worker):
-    from vllm_gateway.config import WorkerSpec
-    from vllm_gateway.server import start_server
+    from vllm_gateway.config.gateway import WorkerSpec
+    from vllm_gateway.http.server import start_server
 
     worker = await fake_worker(models="m", ttft_ms=1, tpot_ms=30)
     config = GatewayConfig(workers=(WorkerSpec(url=worker.url),))

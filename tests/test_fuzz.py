@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 
 from tests.rawhttp import Answer, exchange_sync, request
 from vllm_gateway.app import REGISTRY, create_app
-from vllm_gateway.config import GatewayConfig, TimeoutConfig, WorkerSpec
+from vllm_gateway.config.gateway import GatewayConfig, TimeoutConfig, WorkerSpec
 from vllm_gateway.fake_worker import FakeWorker, FakeWorkerConfig
-from vllm_gateway.server import RunningServer, start_server
+from vllm_gateway.http.server import RunningServer, start_server
 
 pytestmark = pytest.mark.timeout(120)
 

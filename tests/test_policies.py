@@ -8,10 +8,10 @@ from collections import Counter
 import orjson
 import pytest
 
-from vllm_gateway.config import DispatchConfig
-from vllm_gateway.policies import POLICIES, check_policy_name, make_policy
-from vllm_gateway.policies.affinity import ranked
-from vllm_gateway.request_info import parse_request
+from vllm_gateway.config.gateway import DispatchConfig
+from vllm_gateway.dispatch.policies import POLICIES, check_policy_name, make_policy
+from vllm_gateway.dispatch.policies.affinity import ranked
+from vllm_gateway.dispatch.request_info import parse_request
 from vllm_gateway.workers import EngineStats, Worker, WorkerState
 
 INFO = parse_request("/v1/completions", b'{"model": "m"}', "r")
@@ -121,7 +121,7 @@ def test_ties_are_broken_by_the_random_source():
     ],
 )
 def test_load_view(reported, sent, finished, inflight, expected_load):
-    from vllm_gateway.load import load
+    from vllm_gateway.dispatch.load import load
 
     (w,) = workers(inflight)
     if reported:

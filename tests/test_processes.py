@@ -14,9 +14,9 @@ from aiohttp import web
 
 from tests.conftest import FAST_PROBES
 from vllm_gateway.app import REGISTRY, create_app
-from vllm_gateway.config import AdminConfig, GatewayConfig, WorkerSpec
-from vllm_gateway.server import start_server
-from vllm_gateway.siblings import SIBLING_HEADER, is_control, socket_path
+from vllm_gateway.config.gateway import AdminConfig, GatewayConfig, WorkerSpec
+from vllm_gateway.http.server import start_server
+from vllm_gateway.process.siblings import SIBLING_HEADER, is_control, socket_path
 
 pytestmark = pytest.mark.timeout(40)
 

@@ -9,10 +9,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import FAST_PROBES
 from vllm_gateway.app import create_app
-from vllm_gateway.config import GatewayConfig, WorkerSpec
-from vllm_gateway.processes_view import merge_expositions
-from vllm_gateway.server import start_server
-from vllm_gateway.siblings import socket_path
+from vllm_gateway.config.gateway import GatewayConfig, WorkerSpec
+from vllm_gateway.http.server import start_server
+from vllm_gateway.process.siblings import socket_path
+from vllm_gateway.process.view import merge_expositions
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,9 +8,9 @@ import time
 import pytest
 
 from tests.conftest import STEADY_PROBES, wait_until
-from vllm_gateway.access import AllowedNetworks
 from vllm_gateway.app import REGISTRATION, REGISTRY
-from vllm_gateway.config import PRIVATE_NETWORKS, RegistrationConfig
+from vllm_gateway.config.gateway import PRIVATE_NETWORKS, RegistrationConfig
+from vllm_gateway.control.access import AllowedNetworks
 
 pytestmark = pytest.mark.timeout(30)
 

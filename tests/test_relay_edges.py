@@ -26,10 +26,10 @@ from tests.scripted_worker import (
     response,
 )
 from vllm_gateway.app import REGISTRY
-from vllm_gateway.config import TimeoutConfig
-from vllm_gateway.front import FrontConnection
-from vllm_gateway.request_info import RequestInfo
-from vllm_gateway.routes import REQUEST_ID
+from vllm_gateway.config.gateway import TimeoutConfig
+from vllm_gateway.dispatch.request_info import RequestInfo
+from vllm_gateway.http.front import FrontConnection
+from vllm_gateway.http.routes import REQUEST_ID
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from vllm_gateway.dispatch.request_info import parse_request
 from vllm_gateway.errors import BadRequest
-from vllm_gateway.request_info import parse_request
 
 
 def parse(body: bytes, headers: dict | None = None):

@@ -14,9 +14,9 @@ from aiohttp import web
 
 from tests.conftest import STEADY_PROBES, wait_until
 from vllm_gateway.app import REGISTRY
-from vllm_gateway.config import AdminConfig
+from vllm_gateway.config.gateway import AdminConfig
 from vllm_gateway.fake_worker import FakeWorker, FakeWorkerConfig
-from vllm_gateway.server import start_server
+from vllm_gateway.http.server import start_server
 from vllm_gateway.workers import WorkerState
 
 pytestmark = pytest.mark.timeout(90)

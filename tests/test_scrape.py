@@ -10,10 +10,10 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import wait_until
-from vllm_gateway.config import ScrapeConfig
-from vllm_gateway.scrape import MetricNames, Scraper, parse_labels, parse_metrics
-from vllm_gateway.server import start_server
-from vllm_gateway.upstream import UpstreamPool
+from vllm_gateway.config.gateway import ScrapeConfig
+from vllm_gateway.fleet.scrape import MetricNames, Scraper, parse_labels, parse_metrics
+from vllm_gateway.http.server import start_server
+from vllm_gateway.proxy.pool import UpstreamPool
 from vllm_gateway.workers import EngineStats, WorkerRegistry, WorkerState
 
 DATA = Path(__file__).parent / "data"

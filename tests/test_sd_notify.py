@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from vllm_gateway.sd_notify import Notifier
+from vllm_gateway.process.sd_notify import Notifier
 
 pytestmark = pytest.mark.timeout(10)
 

@@ -19,12 +19,12 @@ from click.testing import CliRunner
 from tests.conftest import FAST_PROBES, wait_until
 from tests.test_cli import free_port
 from tests.test_daemon import GatewayProcess
-from vllm_gateway import access
 from vllm_gateway.app import GATEWAY, REGISTRY
-from vllm_gateway.auth import ClientKey, ClientKeys, generate_key, hash_key
-from vllm_gateway.cli import main
-from vllm_gateway.config import ApiKeyConfig, AuthConfig, GatewayConfig, load_config
+from vllm_gateway.cli.main import main
+from vllm_gateway.config.gateway import ApiKeyConfig, AuthConfig, GatewayConfig, load_config
+from vllm_gateway.control import access
 from vllm_gateway.errors import ConcurrencyLimited, RateLimited
+from vllm_gateway.http.keys import ClientKey, ClientKeys, generate_key, hash_key
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -209,7 +209,7 @@ def test_every_key_is_compared_in_constant_time(monkeypatch):
         calls.append((given, expected))
         return access.same_secret(given, expected)
 
-    monkeypatch.setattr("vllm_gateway.auth.same_secret", counting)
+    monkeypatch.setattr("vllm_gateway.http.keys.same_secret", counting)
 
     class Request:
         remote = "127.0.0.1"

@@ -11,10 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import FAST_PROBES, replace, wait_until
 from tests.rawhttp import exchange, request
-from vllm_gateway import telemetry
 from vllm_gateway.app import GATEWAY, REGISTRY
-from vllm_gateway.exposition import Histogram
-from vllm_gateway.telemetry import GONE_RETENTION_SECONDS, TTFB_BUCKETS, RequestMetrics
+from vllm_gateway.observe import telemetry
+from vllm_gateway.observe.exposition import Histogram
+from vllm_gateway.observe.telemetry import GONE_RETENTION_SECONDS, TTFB_BUCKETS, RequestMetrics
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -221,7 +221,7 @@ async def test_stats_endpoint_and_status_page(fake_worker, gateway, client, http
 
 
 async def test_metrics_and_page_can_be_switched_off(gateway, http):
-    from vllm_gateway.config import TelemetryConfig
+    from vllm_gateway.config.gateway import TelemetryConfig
 
     gw = await gateway(workers=(), telemetry=TelemetryConfig(metrics=False, status_page=False))
     for path in ("/metrics", "/", "/dashboard"):
@@ -230,7 +230,7 @@ async def test_metrics_and_page_can_be_switched_off(gateway, http):
 
 
 async def test_breaker_openings_and_circuit_are_exported(fake_worker, gateway, client, http):
-    from vllm_gateway.config import BreakerConfig
+    from vllm_gateway.config.gateway import BreakerConfig
 
     bad = await fake_worker(models="m", fault="status=500")
     good = await fake_worker(models="m")
@@ -251,7 +251,7 @@ async def test_breaker_openings_and_circuit_are_exported(fake_worker, gateway, c
 
 
 async def test_stats_carry_the_autoscalers_demand_per_model(fake_worker, gateway, http):
-    from vllm_gateway.config import AutoscaleConfig
+    from vllm_gateway.config.gateway import AutoscaleConfig
 
     w = await fake_worker(models="m", tpot_ms=20, ttft_ms=1)
     gw = await gateway([w], autoscale=AutoscaleConfig(interval=0.05, target_per_worker=2))
@@ -274,7 +274,7 @@ async def test_stats_carry_the_autoscalers_demand_per_model(fake_worker, gateway
 
 async def test_admission_queue_and_learned_capacity_are_exported(fake_worker, gateway, http):
     from vllm_gateway.app import DISPATCHER
-    from vllm_gateway.config import DispatchConfig, ScrapeConfig
+    from vllm_gateway.config.gateway import DispatchConfig, ScrapeConfig
 
     w = await fake_worker(models="m", ttft_ms=5, tpot_ms=40, max_num_seqs=1)
     gw = await gateway(

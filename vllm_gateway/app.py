@@ -14,29 +14,29 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from vllm_gateway.access_log import AccessLog
-from vllm_gateway.admin import AdminApi
-from vllm_gateway.aliases import AliasTable, check_alias
-from vllm_gateway.auth import ClientKeys
-from vllm_gateway.autoscale import Autoscaler, admission_view
-from vllm_gateway.breaker import CircuitBreaker
-from vllm_gateway.config import GatewayConfig, normalize_url
-from vllm_gateway.discovery import DnsDiscovery
-from vllm_gateway.dispatch import Dispatcher, Lease
+from vllm_gateway.config.gateway import GatewayConfig, normalize_url
+from vllm_gateway.control.admin import AdminApi
+from vllm_gateway.control.registration import Registration
+from vllm_gateway.dispatch.aliases import AliasTable, check_alias
+from vllm_gateway.dispatch.dispatcher import Dispatcher, Lease
+from vllm_gateway.dispatch.policies import Policy, check_policy_name, make_policy
 from vllm_gateway.errors import ConfigError
-from vllm_gateway.fleet import Fleet
-from vllm_gateway.front import FRONT, Front
-from vllm_gateway.health import Prober
+from vllm_gateway.fleet.autoscale import Autoscaler, admission_view
+from vllm_gateway.fleet.breaker import CircuitBreaker
+from vllm_gateway.fleet.discovery.dns import DnsDiscovery
+from vllm_gateway.fleet.health import Prober
+from vllm_gateway.fleet.operations import Fleet
+from vllm_gateway.fleet.scrape import Scraper
+from vllm_gateway.http.front import FRONT, Front
+from vllm_gateway.http.keys import ClientKeys
+from vllm_gateway.http.routes import ERROR_HOOKS, ErrorHook, Routes, error_middleware
 from vllm_gateway.log import get_logger
-from vllm_gateway.policies import Policy, check_policy_name, make_policy
-from vllm_gateway.registration import Registration
-from vllm_gateway.relay import Relay
-from vllm_gateway.routes import ERROR_HOOKS, ErrorHook, Routes, error_middleware
-from vllm_gateway.scrape import Scraper
-from vllm_gateway.siblings import Siblings
-from vllm_gateway.status import StatusViews
-from vllm_gateway.telemetry import ReloadCounters, RequestMetrics
-from vllm_gateway.upstream import UpstreamPool
+from vllm_gateway.observe.access_log import AccessLog
+from vllm_gateway.observe.status import StatusViews
+from vllm_gateway.observe.telemetry import ReloadCounters, RequestMetrics
+from vllm_gateway.process.siblings import Siblings
+from vllm_gateway.proxy.pool import UpstreamPool
+from vllm_gateway.proxy.relay import Relay
 from vllm_gateway.workers import WorkerRegistry, WorkerState
 
 # Typed keys to the parts tests and tools reach for (`app[GATEWAY]` below holds the rest).

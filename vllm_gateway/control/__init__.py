@@ -1,0 +1,3 @@
+"""The control APIs: admin, FastChat-style registration, who may use them, their small JSON
+bodies.
+"""

@@ -1,0 +1,199 @@
+"""Token buckets: how many more requests each worker may be sent, driven by its own queue.
+
+A token is the right to send one request now; sending takes one. A load-aware policy only
+chooses among workers holding a token; when none holds one, the request waits in the
+admission queue. Tokens come from two sources (docs/dispatch.md has the figure):
+
+- Each scrape re-fills the bucket from what the worker reports. Once its capacity is
+  learned (below), the bucket holds the room it has: capacity minus its reported running
+  and waiting, minus what was sent (plus what finished) since the scrape; with
+  `serve --processes N`, each process takes 1/N of that room. Before that, the bucket is
+  open (no limit, full speed) while the worker reports an empty waiting queue, and empty
+  once it reports one. A worker reporting `stop_waiting` requests waiting gets nothing new
+  until its queue shrinks.
+- Each request the worker finishes earns `gain = 1 - waiting / stop_waiting` tokens
+  (waiting as last reported): one per finish, a freed batch slot, while its queue is
+  empty; fewer as its queue grows, so it drains; none above the threshold. A worker twice
+  as fast finishes twice as many requests, so it earns twice the tokens: the refill rate
+  is its completion pace times the gain.
+
+Capacity is learned, not configured: when a worker reports a waiting queue, the number it
+has running is as many as it can run now. While it runs that many with an empty queue, and
+has shown no queue for `PROBE_HOLDOFF` seconds, the estimate grows by 1, then 2, 3, ... per
+scrape, so a worker that can take more (or an estimate caught low) is found out, and
+overshooting the true capacity puts a few requests in the worker's own queue at most once
+per holdoff before the next scrape corrects it. A worker without a fresh scrape has an open
+bucket too: nothing to go by but in-flight counts, which the policies use.
+
+Dispatch owns the buckets and calls `on_stats`, `take` and `on_release`; everything here is
+plain attributes, read as they are by telemetry.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from vllm_gateway.config.gateway import DispatchConfig
+from vllm_gateway.workers import Worker
+
+# Weight of each new completion in the running mean of log(duration) behind `Worker.pace`:
+# about the last 60 completions count. Log, so one very long request moves it little.
+PACE_SMOOTHING = 1 / 64
+# A learned capacity is not probed upward until this long after the worker last reported
+# a queue, in seconds: at steady saturation, one overshoot per this period, not per scrape.
+PROBE_HOLDOFF = 5.0
+# Time constant of `TokenBucket.completion_rate`, in seconds.
+RATE_WINDOW = 10.0
+
+
+class TokenBucket:
+    """One worker's tokens and what the gateway learned about the worker's capacity."""
+
+    __slots__ = (
+        "capacity",
+        "completion_rate",
+        "gain",
+        "limit",
+        "log_duration",
+        "open",
+        "probes",
+        "queued_at",
+        "rate_at",
+        "tokens",
+        "waiting",
+    )
+
+    def __init__(self) -> None:
+        self.open = True  # no limit: capacity not learned and no queue reported
+        self.tokens = 0.0  # when not open; below 0: sent beyond the room it had
+        self.limit = 0.0  # most tokens it may hold until the next scrape
+        self.capacity: float | None = None  # requests it runs at once before queueing
+        self.waiting = 0.0  # its waiting queue, as last reported
+        self.gain = 1.0  # tokens earned per finished request
+        self.probes = 0  # consecutive scrapes that raised the capacity
+        self.queued_at = -math.inf  # EngineStats.at of the last scrape showing a queue
+        self.log_duration: float | None = None  # running mean of log(request seconds)
+        self.completion_rate = 0.0  # finished requests per second, decayed
+        self.rate_at = 0.0  # time.monotonic() of the last completion_rate update
+
+    @property
+    def refill_rate(self) -> float:
+        """Tokens per second it earns right now: completion pace times gain."""
+        return self.completion_rate * self.gain
+
+
+class Buckets:
+    """A token bucket per worker (created on first sight, dropped with the worker)."""
+
+    def __init__(self, config: DispatchConfig, share: float = 1.0) -> None:
+        self.stop_waiting = config.stop_waiting
+        self.share = share  # of each worker's room this process may fill (1 / processes)
+        self.by_worker: dict[Worker, TokenBucket] = {}
+
+    def bucket(self, worker: Worker) -> TokenBucket:
+        b = self.by_worker.get(worker)
+        if b is None:
+            b = self.by_worker[worker] = TokenBucket()
+        return b
+
+    def has_token(self, worker: Worker) -> bool:
+        """May `worker` be sent a request now? Always, without a fresh scrape."""
+        if worker.stats is None:
+            return True
+        b = self.by_worker.get(worker)
+        return b is None or b.open or b.tokens >= 1.0
+
+    def take(self, worker: Worker) -> None:
+        """A request was sent to `worker`."""
+        b = self.by_worker.get(worker)
+        if b is not None:
+            b.tokens -= 1.0
+
+    def refund(self, worker: Worker) -> None:
+        """A request sent to `worker` never reached it (unreachable): give the token back."""
+        b = self.by_worker.get(worker)
+        if b is not None:
+            b.tokens = min(b.limit, b.tokens + 1.0)
+
+    def on_stats(self, worker: Worker) -> None:
+        """Re-fill from a new scrape (see the module docstring)."""
+        stats = worker.stats
+        if stats is None:
+            return  # stale: the bucket is open until a fresh scrape
+        b = self.bucket(worker)
+        running, waiting = stats.running, stats.waiting
+        b.waiting = waiting
+        b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
+        if waiting > 0:
+            b.probes = 0
+            b.queued_at = stats.at
+            if running > 0:
+                b.capacity = running
+        elif (
+            b.capacity is not None
+            and running >= b.capacity
+            and stats.at - b.queued_at >= PROBE_HOLDOFF
+        ):
+            b.probes += 1  # full, yet no queue for a while: probe 1, 2, 3, ... more
+            b.capacity = running + b.probes
+        else:
+            b.probes = 0
+        if b.capacity is None and waiting == 0:
+            b.open = True
+            return
+        if b.open:
+            b.open, b.tokens = False, 0.0
+        if b.gain <= 0.0:  # stopped
+            b.tokens = min(b.tokens, 0.0)
+            b.limit = 0.0
+        elif b.capacity is not None:
+            # The room the worker reported (this process's share of it), less what this
+            # process sent it and saw finish since.
+            b.limit = b.capacity * self.share
+            own = worker.sent_since_scrape - worker.finished_since_scrape
+            b.tokens = (b.capacity - running - waiting) * self.share - own
+        else:  # queueing, capacity not known yet: only what finishing requests earn
+            b.tokens = min(b.tokens, 0.0)
+            b.limit = max(1.0, running)
+
+    def on_release(self, worker: Worker, seconds: float, completed: bool) -> None:
+        """A request to `worker` ended after `seconds`; `completed`: answered in full."""
+        b = self.bucket(worker)
+        b.tokens = min(b.limit, b.tokens + b.gain)
+        if not completed or seconds <= 0.0:
+            return
+        now = time.monotonic()
+        b.completion_rate = (
+            b.completion_rate * math.exp(-(now - b.rate_at) / RATE_WINDOW) + 1.0 / RATE_WINDOW
+        )
+        b.rate_at = now
+        x = math.log(seconds)
+        mean = b.log_duration
+        b.log_duration = x if mean is None else mean + (x - mean) * PACE_SMOOTHING
+        worker.pace = math.exp(-b.log_duration)
+
+    def completion_rate(self, workers: tuple[Worker, ...]) -> float:
+        """Requests per second these workers finish together, decayed to now."""
+        now = time.monotonic()
+        total = 0.0
+        for w in workers:
+            b = self.by_worker.get(w)
+            if b is not None:
+                total += b.completion_rate * math.exp(-(now - b.rate_at) / RATE_WINDOW)
+        return total
+
+    def describe(self, worker: Worker) -> dict[str, object]:
+        """What this process's dispatch learned of `worker` (/list_workers: "dispatch")."""
+        b = self.by_worker.get(worker)
+        open_ = worker.stats is None or b is None or b.open
+        return {
+            "pace": round(worker.pace, 4),
+            "capacity": round(b.capacity, 1) if b and b.capacity is not None else None,
+            "tokens": None if open_ else round(b.tokens, 1),  # None: no limit now
+        }
+
+    def forget_missing(self, present: set[Worker]) -> None:
+        """Drop the buckets of workers no longer in the registry."""
+        for w in [w for w in self.by_worker if w not in present]:
+            del self.by_worker[w]

@@ -1,0 +1,397 @@
+"""Dispatch: choose a worker for a request and account for it while it runs, as a lease.
+
+    async with dispatcher.lease(info, exclude=tried) as lease:
+        ...relay to lease.worker...
+
+Entering picks a worker and counts the request in that worker's in-flight total; leaving
+uncounts it and records the outcome. Counting lives here and only here, so no policy and
+no error path can forget it. The pick (docs/dispatch.md):
+
+1. the available workers (`Worker.available`) serving the model, not already tried;
+2. for a load-aware policy, those of them holding a token (buckets.py);
+3. the model's policy chooses one. When step 2 leaves none, or requests for the model are
+   already waiting, the request joins the admission queue (admission.py) and is bound to
+   a worker when one has room: on a release, a scrape, or a registry change. Nothing
+   waits, no task or timer is made, when a worker has a token.
+
+The retry rule, stated once (docs/reliability.md shows the tests that hold it to this):
+
+- A request is tried again, on another worker, only when
+  1. it provably never reached the worker's application: the TCP connection could not be
+     opened (refused, unreachable, or the connect timed out): `WorkerUnreachable`; or
+  2. the worker answered 503 or 429 (it is full or starting) and no byte of that answer
+     has reached the client: `WorkerRefused`.
+- Nothing else is retried. A connection that fails after the request was written to it
+  (reset, closed, timed out) may have reached the application, even a pooled keep-alive
+  connection the worker closed a moment before; inference requests are POSTs, not
+  idempotent, so they are not replayed (aiohttp and browsers replay only idempotent
+  requests there). A request whose answer started reaching the client is never replayed.
+- At most `retry.max_attempts` workers per request, each one not tried before, and only
+  while another ready worker serves the model: `Lease.can_retry` says so before the
+  attempt, so the relay knows whether a 503/429 is its to swallow. When no attempt is
+  left, the worker's own 503/429 answer goes to the client as it is.
+- Between attempts the lease is released and the request waits `retry.backoff` seconds,
+  doubling per attempt up to `retry.backoff_max`, drawn between half and all of it.
+- Each retry logs one WARNING line and counts in `Dispatcher.retries`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from types import TracebackType
+
+from vllm_gateway.config.gateway import DispatchConfig, RetryConfig
+from vllm_gateway.dispatch.admission import Admission, Waiter
+from vllm_gateway.dispatch.buckets import Buckets
+from vllm_gateway.dispatch.policies import Policy
+from vllm_gateway.dispatch.request_info import RequestInfo
+from vllm_gateway.errors import (
+    GatewayError,
+    ModelNotFound,
+    NoWorkerAvailable,
+    QueueFull,
+    QueueTimeout,
+    UpstreamError,
+    WorkerRefused,
+    WorkerUnreachable,
+)
+from vllm_gateway.log import get_logger
+from vllm_gateway.workers import Worker, WorkerRegistry
+
+log = get_logger("vllm_gateway.dispatch")
+
+# Worker answers that mean "not now, ask someone else" (see the retry rule above).
+RETRY_STATUSES = frozenset({429, 503})
+
+# Outcomes a lease ends with (also the values of the telemetry label and access log field).
+OK = "ok"  # the worker answered and the answer reached the client (any status)
+CLIENT_GONE = "client_gone"  # the client left first; its request on the worker was cancelled
+UNREACHABLE = "unreachable"  # the worker could not be reached
+REFUSED = "refused"  # the worker answered 503/429 and the request went to another one
+TIMEOUT = "timeout"  # a relay timeout expired
+BROKEN = "broken"  # the worker failed mid-answer (reset, malformed framing)
+SHUTDOWN = "shutdown"  # the gateway stopped before the answer ended (shutdown grace ran out)
+
+
+class Lease:
+    """One request's hold on one worker, from dispatch to the end of its relay."""
+
+    __slots__ = (
+        "_dispatcher",
+        "attempt",
+        "bytes",
+        "can_retry",
+        "first_byte",
+        "info",
+        "outcome",
+        "started",
+        "status",
+        "waited",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        worker: Worker,
+        info: RequestInfo,
+        attempt: int = 1,
+        can_retry: bool = False,
+    ) -> None:
+        self._dispatcher = dispatcher
+        self.worker = worker
+        self.info = info
+        self.started = time.monotonic()
+        self.status = 0  # HTTP status the worker answered, 0 until it did
+        self.outcome = OK
+        self.attempt = attempt  # 1 for the first worker tried, 2 for the next, ...
+        # Another attempt is allowed if this one fails retryably (the rule above).
+        self.can_retry = can_retry
+        # Set by the relay: time.monotonic() when the first body byte went to the client
+        # (0.0 until then), and the body bytes relayed (telemetry, access log).
+        self.first_byte = 0.0
+        self.bytes = 0
+        self.waited = 0.0  # seconds spent in the admission queue before this lease
+
+
+class _LeaseContext:
+    """`async with dispatcher.lease(...)`: acquire on enter, release on exit."""
+
+    __slots__ = ("_dispatcher", "_exclude", "_info", "_lease")
+
+    def __init__(
+        self, dispatcher: Dispatcher, info: RequestInfo, exclude: Sequence[Worker]
+    ) -> None:
+        self._dispatcher = dispatcher
+        self._info = info
+        self._exclude = exclude
+        self._lease: Lease | None = None
+
+    async def __aenter__(self) -> Lease:
+        d = self._dispatcher
+        lease = d._try_acquire(self._info, self._exclude)
+        if lease is None:
+            lease = await d._wait_in_queue(self._info, self._exclude)
+        self._lease = lease
+        return lease
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        lease = self._lease
+        if lease is None:
+            return
+        if exc is not None and lease.outcome == OK:
+            lease.outcome = outcome_of(exc)
+        self._dispatcher._release(lease)
+
+
+def outcome_of(exc: BaseException) -> str:
+    """The outcome a lease ends with when `exc` ended its attempt."""
+    if isinstance(exc, asyncio.CancelledError | ConnectionResetError):
+        return CLIENT_GONE
+    if isinstance(exc, WorkerUnreachable):
+        return UNREACHABLE
+    if isinstance(exc, WorkerRefused):
+        return REFUSED
+    if isinstance(exc, TimeoutError):
+        return TIMEOUT
+    return BROKEN
+
+
+class Dispatcher:
+    """Picks workers by policy, queues requests that find no room, keeps the accounts."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        policy: Policy,
+        *,
+        policy_for_model: dict[str, Policy] | None = None,
+        retry: RetryConfig | None = None,
+        config: DispatchConfig | None = None,
+        processes: int = 1,
+        rng: random.Random | None = None,
+    ) -> None:
+        config = config or DispatchConfig()
+        self.registry = registry
+        self.policy = policy
+        self.policy_for_model = policy_for_model or {}
+        self.retry = retry or RetryConfig()
+        self.rng = rng or random.Random()
+        # With `serve --processes N`, each process dispatches to the same workers on its
+        # own: each takes 1/N of the room a worker reports.
+        self.buckets = Buckets(config, share=1.0 / processes)
+        self.admission = Admission(config.max_queued, config.max_queue_wait)
+        # Called with each finished lease (telemetry, access log); kept cheap.
+        self.on_release: list[Callable[[Lease], None]] = []
+        self.retries = 0  # requests tried again on another worker, since start
+        registry.listeners.append(self._on_registry_change)
+        registry.stats_listeners.append(self._on_stats)
+
+    def configure(self, config: DispatchConfig) -> None:
+        """Follow new dispatch settings (a reload); learned state and waiters stay."""
+        self.buckets.stop_waiting = config.stop_waiting
+        self.admission.max_queued = config.max_queued
+        self.admission.max_wait = config.max_queue_wait
+
+    def lease(self, info: RequestInfo, exclude: Sequence[Worker] = ()) -> _LeaseContext:
+        """Hold a worker for `info` for the duration of an `async with` block."""
+        return _LeaseContext(self, info, exclude)
+
+    def choose(self, info: RequestInfo) -> Worker | None:
+        """The worker a request for `info` would get now, without taking it (FastChat's
+        /get_worker_address): one with a token if any has one, else any available."""
+        candidates = [w for w in self.registry.serving(info.model) if w.available]
+        policy = self.policy_for_model.get(info.model, self.policy)
+        if policy.load_aware:
+            with_token = [w for w in candidates if self.buckets.has_token(w)]
+            candidates = with_token or candidates
+        return policy.select(candidates, info) if candidates else None
+
+    async def before_retry(self, lease: Lease, error: UpstreamError) -> None:
+        """Count and log a retry of `lease`'s request, then wait out the backoff.
+
+        Called after the failed lease was released, so the worker's slot is free meanwhile.
+        """
+        self.retries += 1
+        log.warning(
+            "retrying on another worker",
+            worker=lease.worker.url,
+            attempt=lease.attempt,
+            reason=error.code,
+            error=error.message,
+        )
+        delay = min(self.retry.backoff_max, self.retry.backoff * 2 ** (lease.attempt - 1))
+        if delay > 0:
+            await asyncio.sleep(delay * (0.5 + 0.5 * self.rng.random()))
+
+    # --- picking --------------------------------------------------------------------------
+
+    def _try_acquire(self, info: RequestInfo, exclude: Sequence[Worker]) -> Lease | None:
+        """A lease on a worker with room now; None: wait in the queue. Raises when no
+        worker could ever take it (unknown model, none available)."""
+        serving = self.registry.serving(info.model)
+        if not serving:
+            raise ModelNotFound(self._unknown_model_message(info.model), param="model")
+        available = [w for w in serving if w.available and w not in exclude]
+        if not available:
+            raise self._none_available(info, serving, exclude)
+        if info.model in self.admission.queues:
+            return None  # others are waiting for this model: first come, first served
+        return self._pick(info, exclude, available)
+
+    def _pick(
+        self, info: RequestInfo, exclude: Sequence[Worker], available: list[Worker]
+    ) -> Lease | None:
+        policy = self.policy_for_model.get(info.model, self.policy)
+        if policy.load_aware:
+            has_token = self.buckets.has_token
+            candidates = [w for w in available if has_token(w)]
+            if not candidates:
+                return None
+        else:
+            candidates = available
+        worker = policy.select(candidates, info)
+        if worker is None:
+            return None
+        worker.inflight += 1
+        worker.sent_since_scrape += 1
+        self.buckets.take(worker)
+        attempt = len(exclude) + 1
+        can_retry = attempt < self.retry.max_attempts and len(available) > 1
+        return Lease(self, worker, info, attempt, can_retry)
+
+    # --- the admission queue --------------------------------------------------------------
+
+    async def _wait_in_queue(self, info: RequestInfo, exclude: Sequence[Worker]) -> Lease:
+        """Wait for a worker with room (bound by `_serve_queue`), within the queue's bounds."""
+        admission = self.admission
+        if not admission.has_room(info.model):
+            admission.rejected += 1
+            raise QueueFull(
+                f"Too many requests for `{info.model}` are waiting for a worker "
+                f"({admission.max_queued}); try again shortly.",
+                retry_after=self._retry_after(info.model),
+            )
+        waiter = admission.enqueue(info, exclude)
+        self._serve_queue(info.model)  # e.g. a retry, or room that came with no event
+        try:
+            async with asyncio.timeout(admission.max_wait or None):
+                return await waiter.future
+        except TimeoutError:
+            if _bound(waiter):
+                return waiter.future.result()  # a worker came at the very last moment
+            admission.leave(waiter, admitted=False)
+            admission.timed_out += 1
+            raise QueueTimeout(
+                f"No worker serving `{info.model}` had room within {admission.max_wait:g} s.",
+                retry_after=self._retry_after(info.model),
+            ) from None
+        except asyncio.CancelledError:
+            if _bound(waiter):  # bound, but the client left before it could start
+                lease = waiter.future.result()
+                lease.outcome = CLIENT_GONE
+                self._release(lease)
+            else:
+                admission.leave(waiter, admitted=False)
+                admission.abandoned += 1
+            raise
+
+    def _serve_queue(self, model: str) -> None:
+        """Bind the waiters of `model`, best first, to workers with room, while there are."""
+        queue = self.admission.queues.get(model)
+        if queue is None:
+            return
+        serving = self.registry.serving(model)
+        while (waiter := queue.head()) is not None:
+            if waiter.future.done():  # cancelled: its task is leaving the queue right now
+                self.admission.leave(waiter, admitted=False)
+                continue
+            available = [w for w in serving if w.available and w not in waiter.exclude]
+            error: GatewayError | None = None
+            if not serving:
+                error = ModelNotFound(self._unknown_model_message(model), param="model")
+            elif not available:
+                error = self._none_available(waiter.info, serving, waiter.exclude)
+            lease = None if error else self._pick(waiter.info, waiter.exclude, available)
+            if lease is None and error is None:
+                return  # no room yet; strict order, so the rest wait too
+            self.admission.leave(waiter, admitted=error is None)
+            if error is not None:
+                waiter.future.set_exception(error)
+            else:
+                assert lease is not None
+                lease.waited = time.monotonic() - waiter.enqueued
+                waiter.future.set_result(lease)
+
+    def _serve_all(self) -> None:
+        if self.admission.depth:
+            for model in list(self.admission.queues):
+                self._serve_queue(model)
+
+    def _on_stats(self, worker: Worker) -> None:
+        self.buckets.on_stats(worker)
+        if self.admission.depth:
+            for model in worker.models:
+                self._serve_queue(model)
+
+    def _on_registry_change(self) -> None:
+        self.buckets.forget_missing(set(self.registry))
+        self._serve_all()
+
+    def _retry_after(self, model: str) -> float:
+        """Seconds until the queue for `model` has likely drained: a hint for clients."""
+        rate = self.buckets.completion_rate(self.registry.serving(model))
+        waiting = self.admission.waiting_for(model) + 1
+        return min(60.0, max(1.0, waiting / rate)) if rate > 0 else 1.0
+
+    # --- releasing ------------------------------------------------------------------------
+
+    def _release(self, lease: Lease) -> None:
+        worker = lease.worker
+        worker.inflight -= 1
+        worker.finished_since_scrape += 1
+        outcome = lease.outcome
+        if outcome == OK:
+            worker.completed += 1
+        elif outcome != CLIENT_GONE:
+            worker.failed += 1
+        if outcome == UNREACHABLE:
+            self.buckets.refund(worker)
+        else:
+            completed = outcome == OK and 200 <= lease.status < 300
+            self.buckets.on_release(worker, time.monotonic() - lease.started, completed)
+        for hook in self.on_release:
+            hook(lease)
+        if self.admission.depth:
+            for model in worker.models:
+                self._serve_queue(model)
+
+    def _none_available(
+        self, info: RequestInfo, serving: Sequence[Worker], exclude: Sequence[Worker]
+    ) -> NoWorkerAvailable:
+        return NoWorkerAvailable(
+            f"No worker serving `{info.model}` is available right now "
+            f"({len(serving)} known, none ready{' untried' if exclude else ''})."
+        )
+
+    def _unknown_model_message(self, model: str) -> str:
+        known = self.registry.known_models()
+        listed = ", ".join(known[:20]) + (" …" if len(known) > 20 else "")
+        return (
+            f"The model `{model}` does not exist on this gateway. "
+            f"Available models: {listed or 'none'}."
+        )
+
+
+def _bound(waiter: Waiter) -> bool:
+    """Did dispatch give `waiter` a lease (its future holds one)?"""
+    f = waiter.future
+    return f.done() and not f.cancelled() and f.exception() is None

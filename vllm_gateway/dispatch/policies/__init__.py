@@ -1,0 +1,57 @@
+"""Dispatch policies: one pure module each, and the one table from name to factory.
+
+Code never branches on a policy's name: it looks the name up here. FastChat's controller
+names its dispatch methods `lottery` and `shortest_queue`; they are accepted as aliases.
+"""
+
+from __future__ import annotations
+
+import random
+
+from vllm_gateway.config.gateway import DispatchConfig
+from vllm_gateway.dispatch.policies.base import Policy, PolicyFactory
+from vllm_gateway.dispatch.policies.least_inflight import LeastInflight
+from vllm_gateway.dispatch.policies.power_of_two import PowerOfTwo
+from vllm_gateway.dispatch.policies.prefix import PrefixAffinity
+from vllm_gateway.dispatch.policies.queue import QueuePolicy
+from vllm_gateway.dispatch.policies.random_choice import RandomChoice
+from vllm_gateway.dispatch.policies.round_robin import RoundRobin
+from vllm_gateway.dispatch.policies.session import SessionAffinity
+
+POLICIES: dict[str, PolicyFactory] = {
+    "queue": QueuePolicy,
+    "least_inflight": LeastInflight,
+    "power_of_two": PowerOfTwo,
+    "round_robin": RoundRobin,
+    "random": RandomChoice,
+    "session": SessionAffinity,
+    "prefix": PrefixAffinity,
+}
+
+ALIASES: dict[str, str] = {
+    "shortest_queue": "queue",  # FastChat
+    "lottery": "random",  # FastChat (weighted by speed there; by `weight` here)
+}
+
+
+def policy_names() -> list[str]:
+    """Every accepted policy name, aliases included."""
+    return sorted([*POLICIES, *ALIASES])
+
+
+def check_policy_name(name: str) -> str | None:
+    """Return why `name` is not a policy, or None."""
+    if name in POLICIES or name in ALIASES:
+        return None
+    return f"unknown policy {name!r}; choose one of {', '.join(policy_names())}"
+
+
+def make_policy(
+    name: str, rng: random.Random | None = None, config: DispatchConfig | None = None
+) -> Policy:
+    """Build the policy called `name` (validated beforehand with `check_policy_name`)."""
+    factory = POLICIES[ALIASES.get(name, name)]
+    return factory(rng or random.Random(), config or DispatchConfig())
+
+
+__all__ = ["POLICIES", "Policy", "check_policy_name", "make_policy", "policy_names"]

@@ -1,0 +1,1 @@
+"""Discovery sources: workers found by looking outside the gateway (DNS, ...), one module each."""

@@ -1,0 +1,257 @@
+"""Scrape: read each worker's Prometheus /metrics into an `EngineStats` snapshot.
+
+    parse_metrics(page, names, models) -> EngineStats | None     (pure)
+    Scraper(registry, pool, config).start() / .stop()           (background task)
+
+The parser reads three gauges, each named in configuration because vLLM renames them
+between releases (the first name present on the page wins): requests running, requests
+waiting, and KV-cache usage. Running and waiting are summed over the page's samples (one
+per engine in a data-parallel server); KV-cache usage is averaged, since it is a fraction
+per engine. Samples with a `model_name` label count only when it names one of the worker's
+models; unlabelled samples always count. Everything else on the page (histograms, info
+gauges, `_created` families, metrics from a newer release) is skipped without being
+parsed, so an unknown metric can never break a scrape.
+
+The scraper GETs every worker's /metrics each `interval`, concurrently, each GET bounded by
+`timeout`, at most one in flight per worker (a slow worker does not delay the others). A
+snapshot reaches the fleet only through `WorkerRegistry.set_stats`; one older than
+`stale_after` is withdrawn, so dispatch falls back to the gateway's own in-flight counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Collection, Iterable
+
+import aiohttp
+
+from vllm_gateway.config.gateway import ScrapeConfig
+from vllm_gateway.fleet.periodic import Periodic
+from vllm_gateway.log import get_logger
+from vllm_gateway.proxy.pool import UpstreamPool
+from vllm_gateway.workers import EngineStats, Worker, WorkerRegistry
+
+log = get_logger("vllm_gateway.scrape")
+
+_MODEL_LABEL = "model_name"
+
+
+class MetricNames:
+    """Which gauges to read; for each, the candidate names in order of preference."""
+
+    __slots__ = ("kv_cache", "prefixes", "running", "waiting")
+
+    def __init__(
+        self, running: Iterable[str], waiting: Iterable[str], kv_cache: Iterable[str]
+    ) -> None:
+        self.running = tuple(running)
+        self.waiting = tuple(waiting)
+        self.kv_cache = tuple(kv_cache)
+        # One startswith() per line rejects everything else cheaply.
+        self.prefixes = (*self.running, *self.waiting, *self.kv_cache)
+
+    @classmethod
+    def from_config(cls, config: ScrapeConfig) -> MetricNames:
+        return cls(config.running_metrics, config.waiting_metrics, config.kv_cache_metrics)
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """The labels of one sample, `a="x",b="y \\"quoted\\""` -> {"a": "x", "b": ...}."""
+    labels: dict[str, str] = {}
+    i, n = 0, len(text)
+    while i < n:
+        eq = text.find("=", i)
+        if eq < 0 or eq + 1 >= n or text[eq + 1] != '"':
+            raise ValueError(f"malformed labels: {text!r}")
+        key = text[i:eq].strip().lstrip(",").strip()
+        j = eq + 2
+        value: list[str] = []
+        while True:
+            if j >= n:
+                raise ValueError(f"unterminated label value: {text!r}")
+            c = text[j]
+            if c == "\\" and j + 1 < n:
+                nxt = text[j + 1]
+                value.append("\n" if nxt == "n" else nxt)
+                j += 2
+            elif c == '"':
+                j += 1
+                break
+            else:
+                value.append(c)
+                j += 1
+        labels[key] = "".join(value)
+        while j < n and text[j] in ", ":
+            j += 1
+        i = j
+    return labels
+
+
+def _samples(page: str, prefixes: tuple[str, ...]) -> dict[str, list[tuple[str, float]]]:
+    """name -> [(label text, value)] for the sample lines whose name is in `prefixes`."""
+    found: dict[str, list[tuple[str, float]]] = {}
+    for line in page.splitlines():
+        if not line.startswith(prefixes):
+            continue
+        brace = line.find("{")
+        space = line.find(" ")
+        if brace >= 0 and (space < 0 or brace < space):
+            name = line[:brace]
+            close = line.rfind("}")
+            if close < brace:
+                continue
+            labels, rest = line[brace + 1 : close], line[close + 1 :]
+        else:
+            if space < 0:
+                continue
+            name, labels, rest = line[:space], "", line[space:]
+        fields = rest.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        if not math.isfinite(value):  # NaN would poison every comparison downstream
+            continue
+        found.setdefault(name, []).append((labels, value))
+    return found
+
+
+def _pick(
+    found: dict[str, list[tuple[str, float]]], names: tuple[str, ...], models: Collection[str]
+) -> list[float] | None:
+    """The values of the first of `names` present on the page, for the worker's models."""
+    for name in names:
+        samples = found.get(name)
+        if samples is None:
+            continue
+        values = []
+        for labels, value in samples:
+            if models and _MODEL_LABEL in labels:
+                try:
+                    model = parse_labels(labels).get(_MODEL_LABEL)
+                except ValueError:
+                    continue
+                if model is not None and model not in models:
+                    continue
+            values.append(value)
+        return values
+    return None
+
+
+def parse_metrics(
+    page: str, names: MetricNames, models: Collection[str] = (), at: float = 0.0
+) -> EngineStats | None:
+    """Read one worker's load from its /metrics page; None when a gauge is missing.
+
+    `models` are the worker's model names (empty: count every sample); `at` stamps the
+    snapshot (time.monotonic() of the scrape).
+    """
+    found = _samples(page, names.prefixes)
+    running = _pick(found, names.running, models)
+    waiting = _pick(found, names.waiting, models)
+    if running is None or waiting is None:
+        return None
+    kv = _pick(found, names.kv_cache, models)
+    kv_usage = sum(kv) / len(kv) if kv else None
+    return EngineStats(running=sum(running), waiting=sum(waiting), kv_cache_usage=kv_usage, at=at)
+
+
+class Scraper:
+    """Scrapes every worker each `interval` and records what it reads in the registry."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        pool: UpstreamPool,
+        config: ScrapeConfig,
+        api_key: str | None = None,
+    ) -> None:
+        self.registry = registry
+        self.pool = pool
+        self.config = config
+        self.names = MetricNames.from_config(config)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._busy: set[Worker] = set()  # workers with a scrape in flight
+        self._last_ok: dict[Worker, float] = {}
+        self._tasks: set[asyncio.Task[None]] = set()  # scrapes in flight
+        self._ticks = Periodic(
+            "scraper", self._tick, lambda: self.config.interval, log, "scrape tick failed"
+        )
+        # Telemetry, read at scrape time by the metrics endpoint.
+        self.scrapes = 0
+        self.failures = 0
+
+    async def scrape_worker(self, worker: Worker) -> bool:
+        """Scrape one worker now and record the result; return whether it worked."""
+        # Requests sent or finished while the GET is out may or may not be in the page. To
+        # err toward a busier worker, never a herd, those sent meanwhile count as sent since
+        # the scrape (counted on top of the page), and those finished meanwhile as already
+        # gone from it (not taken off the page again): `sent` is read before the GET,
+        # `finished` after it.
+        sent = worker.sent_since_scrape
+        timeout = aiohttp.ClientTimeout(total=self.config.timeout)
+        url = worker.url + "/metrics"
+        self.scrapes += 1
+        try:
+            async with self.pool.session.get(url, timeout=timeout, headers=self._headers) as r:
+                body = await r.read()
+                if r.status != 200:
+                    raise ValueError(f"/metrics answered {r.status}")
+            now = time.monotonic()
+            stats = parse_metrics(body.decode("utf-8", "replace"), self.names, worker.models, now)
+            if stats is None:
+                raise ValueError("the page lacks the running or waiting gauge")
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            self.failures += 1
+            log.debug("scrape failed", worker=worker.url, error=str(e) or type(e).__name__)
+            return False
+        if self.registry.get(worker.url) is not worker:
+            return False  # removed while the scrape was out
+        self._last_ok[worker] = now
+        finished = worker.finished_since_scrape
+        self.registry.set_stats(worker, stats, sent=sent, finished=finished)
+        return True
+
+    async def _guarded(self, worker: Worker) -> None:
+        self._busy.add(worker)
+        try:
+            await self.scrape_worker(worker)
+        except Exception:  # a bug here must not end scraping for good
+            log.exception("scrape failed unexpectedly", worker=worker.url)
+        finally:
+            self._busy.discard(worker)
+
+    def expire(self, now: float) -> None:
+        """Withdraw snapshots older than `stale_after`; forget removed workers."""
+        for worker in list(self._last_ok):
+            if self.registry.get(worker.url) is not worker:
+                del self._last_ok[worker]
+            elif now - self._last_ok[worker] > self.config.stale_after and worker.stats:
+                self.registry.set_stats(worker, None)
+
+    def _tick(self) -> None:
+        """Start a scrape of each idle worker, without waiting for slow ones; expire."""
+        for worker in self.registry:
+            if worker not in self._busy:
+                task = asyncio.create_task(self._guarded(worker))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+        self.expire(time.monotonic())
+
+    async def start(self) -> None:
+        self._tick()
+        self._ticks.start()
+
+    async def stop(self) -> None:
+        await self._ticks.stop()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,3 @@
+"""The client side of the gateway: the server, the front path, aiohttp's side, client keys,
+error answers.
+"""

@@ -1,0 +1,303 @@
+"""HTTP routes: the OpenAI-compatible relay and the fleet's read-only endpoints.
+
+    POST /v1/{anything} (and vLLM's root-level model endpoints)  -> relay to a worker
+    GET  /v1/models                -> union of the ready workers' models, OpenAI list format
+    GET  /health                   -> 200 with a summary when a worker is ready, else 503
+    GET  /list_workers             -> every worker: url, models, state, in-flight, reported load
+    GET|POST /list_models          -> {"models": [...]}, as FastChat's controller answers
+
+The relay handler (`Routes.relay_exchange`) reads top-down: read the body, build the
+`RequestInfo`, take a lease on a worker, relay. It is written once against
+`exchange.Exchange`: front.py serves most relay requests with it, aiohttp the others
+(`relay_request`). Errors become OpenAI error bodies through `errors.error_response`:
+`error_middleware` on aiohttp's path, `front.Front.answer_error` on the front path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from vllm_gateway.dispatch.aliases import AliasTable
+from vllm_gateway.dispatch.dispatcher import Dispatcher, outcome_of
+from vllm_gateway.dispatch.request_info import parse_request
+from vllm_gateway.errors import (
+    BodyTooLarge,
+    ExpectationFailed,
+    GatewayError,
+    RequestTimeout,
+    RouteNotFound,
+    UpstreamError,
+    error_response,
+)
+from vllm_gateway.log import bind_request, clear_request, get_logger
+from vllm_gateway.proxy.exchange import REQUEST_ID, AiohttpExchange, Exchange
+from vllm_gateway.proxy.relay import Relay
+from vllm_gateway.workers import Worker, WorkerRegistry, WorkerState
+
+log = get_logger("vllm_gateway.routes")
+
+# vLLM serves these model endpoints outside /v1/; everything under /v1/ is relayed anyway.
+ROOT_MODEL_PATHS = (
+    "/tokenize",
+    "/detokenize",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+    "/invocations",
+)
+
+
+def is_model_path(path: str) -> bool:
+    """Is `path` one of the OpenAI/vLLM model endpoints (a POST there is relayed)?"""
+    return path.startswith("/v1/") or path in ROOT_MODEL_PATHS
+
+
+def has_dot_segment(path: str) -> bool:
+    """Does the (decoded) `path` have a `.` or `..` segment?"""
+    return "/." in path and any(segment in (".", "..") for segment in path.split("/"))
+
+
+class RequestIds:
+    """Unique, cheap request ids: a random prefix per app (so per process, also after a
+    fork) and a counter."""
+
+    __slots__ = ("_counter", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = f"gw-{os.urandom(4).hex()}-"
+        self._counter = itertools.count(1)
+
+    def new(self) -> str:
+        return f"{self._prefix}{next(self._counter):x}"
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue` as aiohttp answers it; any other expectation gets 417 in the
+    OpenAI error shape (aiohttp's own answer is plain text, before any middleware)."""
+    expect = request.headers.get("Expect", "")
+    if expect.lower() == "100-continue":
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+    return error_response(ExpectationFailed(f"Unknown Expect: {expect[:100]}"))
+
+
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The client's X-Request-Id when it is a sane token (it is echoed back, forwarded and
+    logged): at most 128 printable ASCII characters, no spaces. Otherwise None."""
+    given = headers.get("X-Request-Id")
+    if given and len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given:
+        return given
+    return None
+
+
+def json_response(doc: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(doc), status=status, content_type="application/json")
+
+
+# Called with (error, method, path, request id) for every error the gateway answers itself,
+# after the fact (telemetry counts them, the access log writes them), on either path
+# (front.py answers the relay requests it serves). Only the error path pays for it.
+ErrorHook = Callable[[GatewayError, str, str, str | None], None]
+ERROR_HOOKS = web.AppKey("error_hooks", list[ErrorHook])
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Turn every error the gateway answers itself into an OpenAI error body."""
+    try:
+        return await handler(request)
+    except GatewayError as e:
+        err = e
+    except web.HTTPRequestEntityTooLarge as e:
+        err = BodyTooLarge(f"The request body is too large: {e.text}")
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        if e.status in (404, 405):
+            err = RouteNotFound(f"{request.method} {request.path} is not served here.", e.status)
+        else:
+            err = GatewayError(e.reason)
+            err.status = e.status
+    request_id = request.get(REQUEST_ID)
+    for hook in request.app.get(ERROR_HOOKS, ()):
+        hook(err, request.method, request.path, request_id)
+    return error_response(err, request_id)
+
+
+class Routes:
+    """The request handlers, bound to the objects `create_app` built."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        dispatcher: Dispatcher,
+        relay: Relay,
+        max_body_bytes: int,
+        aliases: AliasTable | None = None,
+        body_timeout: float = 60.0,
+    ) -> None:
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.relay = relay
+        self.max_body_bytes = max_body_bytes
+        self.aliases = aliases or AliasTable(registry)
+        self.body_timeout = body_timeout  # seconds to receive a whole request body
+        self.started = time.time()
+        self.request_ids = RequestIds()
+        # The relay requests being handled now (their tasks): shutdown waits for them.
+        self.active: set[asyncio.Task[Any]] = set()
+
+    def add_to(self, app: web.Application) -> None:
+        r = app.router
+        get = partial(r.add_get, expect_handler=expect_continue)
+        post = partial(r.add_post, expect_handler=expect_continue)
+        get("/v1/models", self.models)
+        get("/health", self.health)
+        get("/list_workers", self.list_workers)
+        get("/list_models", self.list_models)
+        post("/list_models", self.list_models)
+        post("/v1/{tail:.*}", self.relay_request)
+        for path in ROOT_MODEL_PATHS:
+            post(path, self.relay_request)
+
+    # --- the relay -------------------------------------------------------------------------
+
+    async def relay_request(self, request: web.Request) -> web.StreamResponse:
+        """aiohttp's handler for the relay paths: the requests front.py handed to aiohttp."""
+        if has_dot_segment(request.path):
+            # aiohttp decodes `%2e%2e` to `..`; relayed, a worker behind a proxy that
+            # resolves dot segments could be reached outside the model paths.
+            raise RouteNotFound("Dot segments (`.`, `..`, or encoded) are not relayed.")
+        exchange = AiohttpExchange(request)
+        await self.relay_exchange(exchange)
+        assert exchange.response is not None  # relay answers or raises
+        return exchange.response
+
+    async def relay_exchange(self, ex: Exchange) -> None:
+        """Relay one OpenAI request to a worker serving its model; answer on `ex`."""
+        request_id = client_request_id(ex.headers) or self.request_ids.new()
+        ex.request_id = request_id
+        task = asyncio.current_task()
+        assert task is not None  # each request runs in a task of its own, on either path
+        self.active.add(task)
+        try:
+            # The body is not kept in this frame: it lives as long as the stream does.
+            body = await self._read_body(ex)
+            info = parse_request(ex.path_qs, body, request_id, ex.headers)
+            del body
+            bind_request(request_id=request_id, model=info.model)
+            info = self.aliases.resolve(info)
+            tried: list[Worker] = []
+            while True:
+                async with self.dispatcher.lease(info, exclude=tried) as lease:
+                    bind_request(worker=lease.worker.url)
+                    try:
+                        return await self.relay.forward(ex, lease)
+                    except UpstreamError as e:
+                        # The retry rule: dispatch.py's docstring.
+                        if not (e.retryable and lease.can_retry):
+                            raise
+                        lease.outcome = outcome_of(e)
+                        tried.append(lease.worker)
+                        failure = e
+                await self.dispatcher.before_retry(lease, failure)
+        finally:
+            self.active.discard(task)
+            clear_request()
+
+    async def _read_body(self, ex: Exchange) -> bytes:
+        length = ex.content_length
+        if length is not None and length > self.max_body_bytes:
+            raise BodyTooLarge(
+                f"The request body is {length} bytes; the limit is {self.max_body_bytes}."
+            )
+        if ex.body_ready():
+            # The whole body is already here (the common case): nothing to time, and
+            # no timer to arm and cancel on the hot path.
+            return await ex.read_body(self.max_body_bytes)
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                return await ex.read_body(self.max_body_bytes)
+        except TimeoutError:
+            raise RequestTimeout(
+                f"The request body did not arrive within {self.body_timeout:g} s."
+            ) from None
+
+    # --- fleet endpoints -------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: the union of the ready workers' models."""
+        created = int(self.started)
+        data = [
+            {"id": m, "object": "model", "created": created, "owned_by": "vllm-gateway"}
+            for m in self._ready_models()
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        """GET/POST /list_models, FastChat's controller shape."""
+        return json_response({"models": self._ready_models()})
+
+    def _ready_models(self) -> list[str]:
+        """Models with a ready worker, and the aliases that lead to one."""
+        return sorted({*self.registry.ready_models(), *self.aliases.ready_names()})
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when at least one worker is ready, 503 otherwise; a summary either way."""
+        counts: dict[str, int] = {s.value: 0 for s in WorkerState if s is not WorkerState.REMOVED}
+        for w in self.registry:
+            counts[w.state.value] += 1
+        ready = counts[WorkerState.READY.value]
+        doc = {
+            "status": "ok" if ready else "unavailable",
+            "workers": counts,
+            "models": self.registry.ready_models(),
+        }
+        return json_response(doc, 200 if ready else 503)
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        """Every worker with its state, models, in-flight count and last reported load."""
+        now = time.monotonic()
+        buckets = self.dispatcher.buckets
+        return json_response(
+            {
+                "workers": [
+                    describe_worker(w, now) | {"dispatch": buckets.describe(w)}
+                    for w in self.registry
+                ]
+            }
+        )
+
+
+def describe_worker(w: Worker, now: float) -> dict[str, object]:
+    """One worker as /list_workers shows it."""
+    stats = w.stats
+    return {
+        "url": w.url,
+        "models": sorted(w.models),
+        "state": w.state.value,
+        "state_reason": w.state_reason,
+        "circuit": w.circuit.value,
+        "source": w.source,
+        "weight": w.weight,
+        "inflight": w.inflight,
+        "running": stats.running if stats else None,
+        "waiting": stats.waiting if stats else None,
+        "kv_cache_usage": stats.kv_cache_usage if stats else None,
+        "stats_age_seconds": round(now - stats.at, 3) if stats else None,
+        "completed": w.completed,
+        "failed": w.failed,
+    }

@@ -1,0 +1,3 @@
+"""What the gateway tells about itself: Prometheus metrics, the access log, the status page and
+/stats.
+"""
