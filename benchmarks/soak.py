@@ -29,7 +29,7 @@ client connection and no worker connection beyond the probes' and scrapes' keep-
 (two per worker; the relay's idle ones expire after 4 s); its file descriptors are back to
 their start (+2) and its resident memory within `rss_slack` of its warm start; and in a run
 of two minutes or more, memory no longer grows from the middle third of the run to the last.
-tests/test_soak.py runs a short variant in CI.
+tests/unit/test_soak.py runs a short variant in CI.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ scanner cannot flood the log; a bug in a handler (a 500) is still logged with it
 aiohttp builds its protocol objects in `web.Server.__call__`; `ClientRunner` makes the
 application's server build the gateway's instead: the front path's connection (front.py)
 when the app has one, which hands what it does not serve to a `ClientProtocol`
-(tests/test_bad_input.py and tests/test_front.py pin the behaviour, so an aiohttp upgrade
+(tests/e2e/test_bad_input.py and tests/e2e/test_front.py pin the behaviour, so an aiohttp upgrade
 that changes these internals fails loudly).
 """
 

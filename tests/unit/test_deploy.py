@@ -15,7 +15,7 @@ from vllm_gateway.app import check_app_config
 from vllm_gateway.config.gateway import GatewayConfig, load_config
 from vllm_gateway.process.daemon import CLOSE_REST_SECONDS
 
-K8S = os.path.join(os.path.dirname(__file__), "..", "deploy", "kubernetes")
+K8S = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "kubernetes")
 
 
 def manifests() -> dict[tuple[str, str], dict]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-UNIT = Path(__file__).parent.parent / "packaging/systemd/vllm-gateway-register@.service"
+UNIT = Path(__file__).parent.parent.parent / "packaging/systemd/vllm-gateway-register@.service"
 
 
 def sections() -> configparser.ConfigParser:

@@ -6,23 +6,17 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 
 import pytest
 from click.testing import CliRunner
 
+from tests.support.processes import free_port
 from vllm_gateway.cli.main import main
 from vllm_gateway.config.docs import render_reference
 
 pytestmark = pytest.mark.timeout(60)
-DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "configuration.md")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "configuration.md")
 
 
 def test_help_explains_every_command():

@@ -17,8 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.conftest import FAST_PROBES, wait_until
-from tests.test_cli import free_port
-from tests.test_daemon import GatewayProcess
+from tests.support.processes import GatewayProcess, free_port
 from vllm_gateway.app import GATEWAY, REGISTRY
 from vllm_gateway.cli.main import main
 from vllm_gateway.config.gateway import ApiKeyConfig, AuthConfig, GatewayConfig, load_config

@@ -12,7 +12,7 @@ import pytest
 from vllm_gateway.app import check_app_config
 from vllm_gateway.config.gateway import LifecycleConfig, load_config
 
-ROOT = os.path.join(os.path.dirname(__file__), "..", "packaging")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "packaging")
 UNIT = os.path.join(ROOT, "systemd", "vllm-gateway.service")
 
 
@@ -90,7 +90,7 @@ def test_env_example_names_real_settings():
                 assert line.split("=")[0] in names, line
 
 
-ALERTS = os.path.join(os.path.dirname(__file__), "..", "deploy", "prometheus")
+ALERTS = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "prometheus")
 
 
 @pytest.mark.skipif(not shutil.which("promtool"), reason="promtool not installed (Prometheus)")

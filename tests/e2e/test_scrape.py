@@ -16,7 +16,7 @@ from vllm_gateway.http.server import start_server
 from vllm_gateway.proxy.pool import UpstreamPool
 from vllm_gateway.workers import EngineStats, WorkerRegistry, WorkerState
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parent.parent / "data"
 V1 = (DATA / "vllm_metrics_v1.txt").read_text()
 V0 = (DATA / "vllm_metrics_v0.txt").read_text()
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"

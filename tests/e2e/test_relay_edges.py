@@ -1,6 +1,6 @@
 """The relay's edge cases over real sockets: framing, reuse, backpressure, sizes, timeouts.
 
-The worker is scripted byte by byte (tests/scripted_worker.py) or the fake worker; the
+The worker is scripted byte by byte (tests/support/scripted_worker.py) or the fake worker; the
 client is aiohttp or a raw socket, so what reaches the client is checked exactly.
 """
 
@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import wait_until
-from tests.scripted_worker import (
+from tests.support.scripted_worker import (
     CHUNKED_HEAD,
     LAST_CHUNK,
     SSE_HEAD,

@@ -1,7 +1,7 @@
 """The front path (front.py): which requests it serves, what it hands to aiohttp, and that a
 client cannot tell the two apart.
 
-Requests are written as raw bytes (tests/rawhttp.py) so framing, pipelining and the exact
+Requests are written as raw bytes (tests/support/rawhttp.py) so framing, pipelining and the exact
 answer are visible. A `Content-Encoding: identity` header is a harmless way to send the same
 request through aiohttp's path (the front path hands over any Content-Encoding).
 """
@@ -14,7 +14,7 @@ import sys
 import orjson
 import pytest
 
-from tests.rawhttp import Answer, Connection, exchange, parse, request
+from tests.support.rawhttp import Answer, Connection, exchange, parse, request
 from vllm_gateway.app import create_app
 from vllm_gateway.config.gateway import ClientConfig, GatewayConfig
 from vllm_gateway.http.front import FRONT, READ_LIMIT, FrontConnection

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.rawhttp import Answer, exchange_sync, request
+from tests.support.rawhttp import Answer, exchange_sync, request
 from vllm_gateway.app import REGISTRY, create_app
 from vllm_gateway.config.gateway import GatewayConfig, TimeoutConfig, WorkerSpec
 from vllm_gateway.fake_worker import FakeWorker, FakeWorkerConfig
@@ -33,7 +33,7 @@ from vllm_gateway.http.server import RunningServer, start_server
 
 pytestmark = pytest.mark.timeout(120)
 
-# FUZZ_EXAMPLES=5000 scripts/test tests/test_fuzz.py digs deeper than CI does.
+# FUZZ_EXAMPLES=5000 scripts/test tests/e2e/test_fuzz.py digs deeper than CI does.
 FUZZ = settings(
     max_examples=int(os.environ.get("FUZZ_EXAMPLES", "150")),
     deadline=None,

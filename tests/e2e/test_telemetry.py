@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import FAST_PROBES, replace, wait_until
-from tests.rawhttp import exchange, request
+from tests.support.rawhttp import exchange, request
 from vllm_gateway.app import GATEWAY, REGISTRY
 from vllm_gateway.observe import telemetry
 from vllm_gateway.observe.exposition import Histogram

@@ -19,7 +19,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from tests.conftest import wait_until
-from tests.scripted_worker import LAST_CHUNK, SSE_HEAD, ScriptedWorker, chunk, response
+from tests.support.scripted_worker import LAST_CHUNK, SSE_HEAD, ScriptedWorker, chunk, response
 from vllm_gateway.app import DISPATCHER, REGISTRY
 from vllm_gateway.config.gateway import ProbeConfig, RetryConfig, TimeoutConfig
 from vllm_gateway.fake_worker import FakeWorker

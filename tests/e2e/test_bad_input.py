@@ -3,7 +3,7 @@ gateway keeps serving.
 
 Each test proves rows of docs/reliability.md. Requests no client library would send (request
 smuggling, oversized or malformed headers, slow-loris clients) are written byte by byte with
-tests/rawhttp.py.
+tests/support/rawhttp.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from tests.conftest import wait_until
-from tests.rawhttp import Connection, exchange, request
+from tests.support.rawhttp import Connection, exchange, request
 from vllm_gateway.app import REGISTRY
 from vllm_gateway.config.gateway import ApiKeyConfig, AuthConfig, ClientConfig, TimeoutConfig
 from vllm_gateway.fake_worker import FakeWorker

@@ -1,0 +1,1 @@
+"""Helpers shared by tests: raw HTTP, a byte-scripted worker, gateway processes."""
