@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from vllm_gateway.config.gateway import GatewayConfig, normalize_url
+from vllm_gateway.config.gateway import GatewayConfig
+from vllm_gateway.config.load import normalize_url
 from vllm_gateway.control.admin import AdminApi
 from vllm_gateway.control.registration import Registration
 from vllm_gateway.dispatch.aliases import AliasTable, check_alias

@@ -143,7 +143,7 @@ async def test_unknown_alias_target_is_a_404_naming_models(fake_worker, gateway,
 
 
 def test_check_config_masks_the_control_tokens():
-    from vllm_gateway.config.gateway import effective_toml, load_config
+    from vllm_gateway.config.load import effective_toml, load_config
 
     env = {
         "VLLM_GATEWAY_ADMIN_TOKEN": "adm-s3cr3t",

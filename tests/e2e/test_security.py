@@ -20,7 +20,8 @@ from tests.conftest import FAST_PROBES, wait_until
 from tests.support.processes import GatewayProcess, free_port
 from vllm_gateway.app import GATEWAY, REGISTRY
 from vllm_gateway.cli.main import main
-from vllm_gateway.config.gateway import ApiKeyConfig, AuthConfig, GatewayConfig, load_config
+from vllm_gateway.config.gateway import ApiKeyConfig, AuthConfig, GatewayConfig
+from vllm_gateway.config.load import load_config
 from vllm_gateway.control import access
 from vllm_gateway.errors import ConcurrencyLimited, RateLimited
 from vllm_gateway.http.keys import ClientKey, ClientKeys, generate_key, hash_key

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_gateway.config.gateway import GatewayConfig, describe, load_config
+from vllm_gateway.config.gateway import GatewayConfig
+from vllm_gateway.config.load import describe, load_config
 from vllm_gateway.errors import ConfigError
 
 

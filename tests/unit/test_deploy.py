@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from vllm_gateway.app import check_app_config
-from vllm_gateway.config.gateway import GatewayConfig, load_config
+from vllm_gateway.config.gateway import GatewayConfig
+from vllm_gateway.config.load import load_config
 from vllm_gateway.process.daemon import CLOSE_REST_SECONDS
 
 K8S = os.path.join(os.path.dirname(__file__), "..", "..", "deploy", "kubernetes")

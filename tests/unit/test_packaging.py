@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from vllm_gateway.app import check_app_config
-from vllm_gateway.config.gateway import LifecycleConfig, load_config
+from vllm_gateway.config.gateway import LifecycleConfig
+from vllm_gateway.config.load import load_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "packaging")
 UNIT = os.path.join(ROOT, "systemd", "vllm-gateway.service")
@@ -80,7 +81,7 @@ def test_example_config_is_valid():
 
 
 def test_env_example_names_real_settings():
-    from vllm_gateway.config.gateway import ENV_PREFIX, describe
+    from vllm_gateway.config.load import ENV_PREFIX, describe
 
     names = {row[5] for row in describe() if row[5]}
     with open(os.path.join(ROOT, "systemd", "env.example")) as f:

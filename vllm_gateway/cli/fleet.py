@@ -137,7 +137,7 @@ def register(
     """
     from vllm_gateway import log as log_setup
     from vllm_gateway.cli.agent import AgentSettings, run_agent
-    from vllm_gateway.config.gateway import check_worker_url, normalize_url
+    from vllm_gateway.config.load import check_worker_url, normalize_url
 
     for url in (*gateways, worker):
         if problem := check_worker_url(normalize_url(url)):

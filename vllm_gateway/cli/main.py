@@ -14,7 +14,8 @@ import click
 
 from vllm_gateway import __version__
 from vllm_gateway.cli.fleet import COMMANDS, CONTEXT
-from vllm_gateway.config.gateway import GatewayConfig, load_config
+from vllm_gateway.config.gateway import GatewayConfig
+from vllm_gateway.config.load import load_config
 from vllm_gateway.errors import ConfigError
 
 
@@ -144,7 +145,7 @@ def check_config(config_path: str | None) -> None:
 
     Exits 1 with one line per mistake when it is invalid, like `nginx -t`.
     """
-    from vllm_gateway.config.gateway import effective_toml
+    from vllm_gateway.config.load import effective_toml
 
     config = _load(config_path, {})
     click.echo(effective_toml(config), nl=False)

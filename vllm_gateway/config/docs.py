@@ -6,7 +6,7 @@ when the committed file differs, so the reference cannot fall behind the code.
 
 from __future__ import annotations
 
-from vllm_gateway.config.gateway import describe
+from vllm_gateway.config.load import describe
 
 HEADER = """\
 # Configuration reference

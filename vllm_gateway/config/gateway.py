@@ -3,26 +3,17 @@
 Precedence, lowest first: the defaults written here, the TOML file (`--config`), environment
 variables (`VLLM_GATEWAY_*`), then command-line options. Every key is declared once, with
 its default, unit and help text: below, or for the fleet-control sections (breaker, admin,
-registration, autoscale, discovery) in config_fleet.py, whose names this module exports
+registration, autoscale, discovery) in config/fleet.py, whose names this module exports
 too. The loader, the validator and the generated configuration reference
 (docs/configuration.md) all read those declarations, so they cannot drift apart.
 
-Naming: a top-level key `port` is `VLLM_GATEWAY_PORT`; a key `format` in section `[log]` is
-`VLLM_GATEWAY_LOG_FORMAT`. Lists (e.g. `VLLM_GATEWAY_WORKERS`) are comma-separated.
-`load_config` collects every mistake and raises one `ConfigError` listing them all.
+Loading and cross-field validation live in config/load.py.
 """
 
 from __future__ import annotations
 
-import ipaddress
-import os
-import tomllib
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-from urllib.parse import urlsplit
 
-from vllm_gateway.config import settings
 from vllm_gateway.config.fleet import (  # noqa: F401 - re-exported, see above
     PRIVATE_NETWORKS,
     AdminConfig,
@@ -34,10 +25,6 @@ from vllm_gateway.config.fleet import (  # noqa: F401 - re-exported, see above
     ScaleRule,
 )
 from vllm_gateway.config.settings import setting
-from vllm_gateway.errors import ConfigError
-
-ENV_PREFIX = "VLLM_GATEWAY_"
-
 
 # --- sections -------------------------------------------------------------------------------
 
@@ -395,121 +382,3 @@ class GatewayConfig:
     )
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
-
-
-# --- loading --------------------------------------------------------------------------------
-
-
-def load_config(
-    path: str | os.PathLike[str] | None = None,
-    env: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
-) -> GatewayConfig:
-    """Build and validate the configuration; raise `ConfigError` listing every mistake.
-
-    `overrides` is a nested mapping like the TOML file's (e.g. {"log": {"format": "json"}});
-    keys whose value is None are ignored, so click options can default to None.
-    """
-    errors: list[str] = []
-    env = os.environ if env is None else env
-    if path is None and env.get(ENV_PREFIX + "CONFIG"):
-        path = env[ENV_PREFIX + "CONFIG"]
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                raw = tomllib.load(f)
-        except OSError as e:
-            raise ConfigError([f"config file {path}: {e.strerror or e}"]) from e
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError([f"config file {path}: not valid TOML: {e}"]) from e
-    settings.merge(raw, settings.from_env(GatewayConfig, env, ENV_PREFIX, errors))
-    settings.merge(raw, settings.drop_none(overrides or {}))
-    config = settings.build(GatewayConfig, raw, "", errors)
-    if not errors:
-        errors.extend(validate(config))
-    if errors:
-        raise ConfigError(errors)
-    return config
-
-
-def validate(config: GatewayConfig) -> list[str]:
-    """Check values against their declared bounds and each other; return the mistakes."""
-    errors: list[str] = []
-    settings.check_bounds(config, "", errors)
-    seen: set[str] = set()
-    for i, worker in enumerate(config.workers):
-        where = f"workers[{i}]"
-        problem = check_worker_url(worker.url)
-        url = normalize_url(worker.url)
-        if problem:
-            errors.append(f"{where}.url: {problem}")
-        elif url in seen:
-            errors.append(f"{where}.url: {worker.url} is listed twice")
-        seen.add(url)
-        for model in worker.models:
-            problem = check_model_name(model)
-            if problem:
-                errors.append(f"{where}.models: {problem}")
-    for key in ("running_metrics", "waiting_metrics"):
-        if not getattr(config.scrape, key):
-            errors.append(f"scrape.{key}: name at least one metric")
-    if not config.host or any(c in config.host for c in "/ "):
-        errors.append(f"host: {config.host!r} is not an address or host name")
-    for name, key in config.auth.keys.items():
-        if len(key.sha256) != 64 or any(c not in "0123456789abcdefABCDEF" for c in key.sha256):
-            errors.append(
-                f"auth.keys.{name}.sha256: expected 64 hex digits "
-                "(`vllm-gateway hash-key` prints them)"
-            )
-    for i, net in enumerate(config.registration.allowed_networks):
-        try:
-            ipaddress.ip_network(net, strict=False)
-        except ValueError:
-            errors.append(f"registration.allowed_networks[{i}]: {net!r} is not a network (CIDR)")
-    return errors
-
-
-def normalize_url(url: str) -> str:
-    """The one spelling of a worker URL used as its identity: no trailing slash."""
-    return url.strip().rstrip("/")
-
-
-def check_worker_url(url: str) -> str | None:
-    """Return why `url` is not a usable worker base URL, or None when it is."""
-    if not url:
-        return "is empty"
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        return f"{url!r} must start with http:// or https://"
-    if not parts.hostname:
-        return f"{url!r} has no host"
-    try:
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        return f"{url!r} has an invalid port"
-    if parts.query or parts.fragment:
-        return f"{url!r} must be a base URL without query or fragment"
-    return None
-
-
-def check_model_name(name: str) -> str | None:
-    """Return why `name` cannot be a model name, or None. Rejects what could break a path or
-    a header line when echoed back."""
-    if not name:
-        return "model name is empty"
-    if len(name) > 512:
-        return "model name is longer than 512 characters"
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
-        return f"model name {name!r} contains control characters"
-    return None
-
-
-def describe() -> list[tuple[str, ...]]:
-    """Every setting as (key, type, default, unit, cli, env, help) rows for the docs."""
-    return settings.describe(GatewayConfig, ENV_PREFIX)
-
-
-def effective_toml(config: GatewayConfig) -> str:
-    """The configuration as a TOML document, secrets masked (for `check-config`)."""
-    return settings.to_toml(config)

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from vllm_gateway.config.gateway import check_worker_url, normalize_url
+from vllm_gateway.config.load import check_worker_url, normalize_url
 from vllm_gateway.errors import BadRequest
 
 # Control bodies are a few hundred bytes; refuse anything that is not.

@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_gateway.config.gateway import check_model_name
+from vllm_gateway.config.load import check_model_name
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.log import get_logger
 from vllm_gateway.workers import WorkerRegistry

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from vllm_gateway.config.gateway import check_model_name
+from vllm_gateway.config.load import check_model_name
 from vllm_gateway.errors import BadRequest
 
 SESSION_HEADERS = ("x-session-id", "x-user-id")

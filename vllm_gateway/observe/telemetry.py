@@ -23,7 +23,7 @@ from vllm_gateway.dispatch.dispatcher import Dispatcher, Lease
 from vllm_gateway.errors import GatewayError
 from vllm_gateway.fleet.scrape import Scraper
 from vllm_gateway.observe.exposition import Histogram, Writer
-from vllm_gateway.workers import Circuit, WorkerRegistry, WorkerState
+from vllm_gateway.workers import Circuit, Worker, WorkerRegistry, WorkerState
 
 if TYPE_CHECKING:  # read at scrape time only; they are built above this module
     from vllm_gateway.control.registration import Registration
@@ -143,7 +143,22 @@ def render(
     w.family(p + "start_time_seconds", "gauge", "When this gateway process started (Unix time).")
     w.sample(p + "start_time_seconds", started)
 
-    # --- requests (from finished leases) ---
+    _request_metrics(w, metrics, dispatcher)
+    workers = sorted(registry, key=lambda x: x.url)
+    _worker_metrics(w, workers)
+    _scrape_metrics(w, workers, scraper)
+    _fleet_metrics(w, autoscaler, registration)
+
+    _dispatch_metrics(w, metrics, dispatcher, workers)
+
+    _reload_metrics(w, reloads)
+    _process_metrics(w)
+    return w.text()
+
+
+def _request_metrics(w: Writer, metrics: RequestMetrics, dispatcher: Dispatcher) -> None:
+    """Counted from finished leases: requests, latencies, bytes, errors, retries."""
+    p = "vllm_gateway_"
     w.family(
         p + "requests_total",
         "counter",
@@ -181,8 +196,10 @@ def render(
     )
     w.sample(p + "retries_total", dispatcher.retries)
 
-    # --- workers (read from the registry now) ---
-    workers = sorted(registry, key=lambda x: x.url)
+
+def _worker_metrics(w: Writer, workers: list[Worker]) -> None:
+    """Read from the registry now: state, circuit, source, models, in-flight, weight."""
+    p = "vllm_gateway_"
     w.family(p + "worker_state", "gauge", "1 for the state each worker is in, 0 for the others.")
     for worker in workers:
         for state in WorkerState:
@@ -226,6 +243,11 @@ def render(
     w.family(p + "worker_weight", "gauge", "Each worker's relative share for weighted policies.")
     for worker in workers:
         w.sample(p + "worker_weight", worker.weight, (("worker", worker.url),))
+
+
+def _scrape_metrics(w: Writer, workers: list[Worker], scraper: Scraper) -> None:
+    """What the last scrape of each worker's /metrics said, and how old it is."""
+    p = "vllm_gateway_"
     scraped = [x for x in workers if x.stats is not None]
     for name, attr, help_ in (
         ("worker_running_requests", "running", "vllm:num_requests_running, last scrape."),
@@ -247,11 +269,10 @@ def render(
         age = max(0.0, now - worker.stats.at)  # type: ignore[union-attr]
         w.sample(p + "worker_stats_age_seconds", round(age, 3), (("worker", worker.url),))
 
-    _fleet_metrics(w, autoscaler, registration)
 
-    _dispatch_metrics(w, metrics, dispatcher, workers)
-
-    # --- configuration reloads ---
+def _reload_metrics(w: Writer, reloads: ReloadCounters) -> None:
+    """Configuration reloads (SIGHUP): counts, the last result and when it applied."""
+    p = "vllm_gateway_"
     w.family(p + "config_reloads_total", "counter", "Configuration reloads (SIGHUP), by result.")
     w.sample(p + "config_reloads_total", reloads.succeeded, (("result", "success"),))
     w.sample(p + "config_reloads_total", reloads.failed, (("result", "failure"),))
@@ -267,9 +288,6 @@ def render(
         "When the running configuration was loaded (Unix time).",
     )
     w.sample(p + "config_last_reload_success_timestamp_seconds", reloads.last_success)
-
-    _process_metrics(w)
-    return w.text()
 
 
 def _fleet_metrics(

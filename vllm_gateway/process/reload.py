@@ -17,7 +17,8 @@ from aiohttp import web
 
 from vllm_gateway import log as logging_setup
 from vllm_gateway.app import GATEWAY, Gateway, check_app_config, policies_for
-from vllm_gateway.config.gateway import GatewayConfig, normalize_url
+from vllm_gateway.config.gateway import GatewayConfig
+from vllm_gateway.config.load import normalize_url
 from vllm_gateway.fleet.scrape import MetricNames
 from vllm_gateway.workers import WorkerState
 
