@@ -179,7 +179,7 @@ class Agent:
             {"worker_name": self.s.worker, "check_heart_beat": True, "worker_status": status},
         )
         ok = answer is not None
-        if ok:
+        if answer is not None:
             log.info(
                 "registered",
                 gateway=gateway,

@@ -77,8 +77,9 @@ def validate(config: GatewayConfig) -> list[str]:
             errors.append(f"scrape.{key}: name at least one metric")
     if not config.host or any(c in config.host for c in "/ "):
         errors.append(f"host: {config.host!r} is not an address or host name")
-    for name, key in config.auth.keys.items():
-        if len(key.sha256) != 64 or any(c not in "0123456789abcdefABCDEF" for c in key.sha256):
+    for name, api_key in config.auth.keys.items():
+        digest = api_key.sha256
+        if len(digest) != 64 or any(c not in "0123456789abcdefABCDEF" for c in digest):
             errors.append(
                 f"auth.keys.{name}.sha256: expected 64 hex digits "
                 "(`vllm-gateway hash-key` prints them)"

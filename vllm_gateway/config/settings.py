@@ -179,12 +179,12 @@ def _coerce(tp: Any, value: Any, where: str, errors: list[str]) -> Any:
             errors.append(f"{where}: expected a table, got {value!r}")
             return _BAD
         _, vt = typing.get_args(tp)
-        out = {}
+        table: dict[str, Any] = {}
         for k, v in value.items():
             c = _coerce(vt, v, f"{where}.{k}", errors)
             if c is not _BAD:
-                out[str(k)] = c
-        return out
+                table[str(k)] = c
+        return table
     return value
 
 
@@ -259,7 +259,7 @@ def _describe(cls: type, where: str, env_prefix: str, rows: list) -> None:
             )
             _describe(value_type, f'{where}{f.name}."NAME".', "", rows)
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         env_name = env_prefix + f.name.upper() if env_prefix else ""
         rows.append(
             (

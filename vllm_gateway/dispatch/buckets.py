@@ -190,7 +190,7 @@ class Buckets:
         return {
             "pace": round(worker.pace, 4),
             "capacity": round(b.capacity, 1) if b and b.capacity is not None else None,
-            "tokens": None if open_ else round(b.tokens, 1),  # None: no limit now
+            "tokens": None if open_ or b is None else round(b.tokens, 1),  # None: no limit now
         }
 
     def forget_missing(self, present: set[Worker]) -> None:

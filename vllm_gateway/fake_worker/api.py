@@ -183,7 +183,7 @@ class OpenAIApi:
         results = sorted(
             ({"index": i, "document": {"text": d}, "relevance_score": p.similarity(query, d)}
              for i, d in enumerate(docs)),
-            key=lambda r: -r["relevance_score"],
+            key=lambda r: -float(r["relevance_score"]),  # type: ignore[arg-type]
         )  # fmt: skip
         top_n = body.get("top_n") or len(results)
         return await self._reply(request, call, orjson.dumps({

@@ -190,7 +190,7 @@ def completion_body(rid: str, model: str, text: str, prompt: int, completion: in
 
 
 def chat_body(rid: str, model: str, text: str, prompt: int, completion: int) -> bytes:
-    message = {
+    message: dict[str, object] = {
         "role": "assistant",
         "content": text,
         "refusal": None,

@@ -38,7 +38,7 @@ class Headers(dict[str, str]):
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and super().__contains__(key.lower())
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         return super().get(key.lower(), default)
 
 

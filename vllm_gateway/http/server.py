@@ -74,7 +74,8 @@ async def start_server(
     runner = ClientRunner(
         app,
         front=front,
-        error_hooks=app.get(ERROR_HOOKS, ()),  # refusals of malformed HTTP are counted too
+        # refusals of malformed HTTP are counted too
+        error_hooks=app.get(ERROR_HOOKS, []),
         handler_cancellation=True,  # a departed client cancels its handler (and the relay)
         access_log=None,  # the gateway writes its own, structured and opt-in
         shutdown_timeout=shutdown_timeout,

@@ -7,7 +7,8 @@ cumulative histograms. telemetry.py decides what to write; this module how.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -74,7 +75,7 @@ class Writer:
         self,
         name: str,
         help_: str,
-        series: dict[tuple[str, ...], Histogram],
+        series: Mapping[Any, Histogram],  # keys: tuples of label values, as `keys` names
         keys: tuple[str, ...] = ("model", "worker"),
     ) -> None:
         self.family(name, "histogram", help_)

@@ -127,7 +127,7 @@ class Daemon:
         self.notifier.ready(self._summary(server))
         watchdog = asyncio.create_task(self.notifier.watchdog(), name="sd-watchdog")
         try:
-            while (sig := await self.signals.get()) == signal.SIGHUP:
+            while await self.signals.get() == signal.SIGHUP:
                 await self.reload(server)
             await self.stop(server)
         finally:

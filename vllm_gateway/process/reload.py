@@ -131,12 +131,13 @@ def _apply_workers(g: Gateway, new: GatewayConfig) -> list[str]:
                 g.fleet.remove(worker.url, "removed from the configuration")
                 changes.append(f"worker removed: {worker.url}")
     for url, spec in wanted.items():
-        worker = registry.get(url)
-        if worker is None:
+        known = registry.get(url)
+        if known is None:
             registry.add(url, models=spec.models, weight=spec.weight)
             g.prober.forget(url)  # probed by the reload before READY (daemon.py)
             changes.append(f"worker added: {url}")
             continue
+        worker = known
         if worker.source not in CONFIG_SOURCES:
             continue  # known from elsewhere (registered, admin): its owner decides
         if url in g.retiring:  # dropped by an earlier reload, listed again: take it back

@@ -71,11 +71,11 @@ def merge_stats(mine: dict[str, Any], others: list[dict[str, Any]]) -> dict[str,
             for hist in ("duration", "ttfb"):
                 _add_histogram(own[hist], m[hist])
         for e in doc["errors"]:
-            key = (e["status"], e["code"])
-            if key in errors:
-                errors[key]["count"] += e["count"]
+            ekey = (e["status"], e["code"])
+            if ekey in errors:
+                errors[ekey]["count"] += e["count"]
             else:
-                errors[key] = e
+                errors[ekey] = e
                 mine["errors"].append(e)
         _add_queue(mine.get("admission_queue"), doc.get("admission_queue"))
     mine["models"].sort(key=lambda m: m["model"])

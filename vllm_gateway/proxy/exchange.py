@@ -140,7 +140,7 @@ class AiohttpExchange:
 
     @property
     def transport(self) -> asyncio.Transport | None:
-        return self.request.transport  # type: ignore[return-value]
+        return self.request.transport
 
     @property
     def content_length(self) -> int | None:

@@ -114,7 +114,7 @@ class DnsDiscovery:
     async def _sync(self, key: str, name: DnsName, urls: set[str]) -> None:
         owned = self.owned.setdefault(key, set())
         host = urlsplit(key).hostname
-        joining = []
+        joining: list[Awaitable[object]] = []
         for url in sorted(urls - owned):
             worker = self.registry.get(url)
             if worker is not None and worker.source != SOURCE:
