@@ -7,11 +7,11 @@ import os
 import signal
 import sys
 
-import openai
 import orjson
 import pytest
 
 from tests.conftest import wait_until
+from tests.support.streams import completions_at, stream_text
 from vllm_gateway.app import REGISTRATION, REGISTRY
 from vllm_gateway.config.gateway import RegistrationConfig
 from vllm_gateway.workers import WorkerState
@@ -58,15 +58,6 @@ def events(stderr: bytes) -> list[dict]:
     return [orjson.loads(line) for line in stderr.splitlines() if line.startswith(b"{")]
 
 
-async def stream_text(c: openai.AsyncOpenAI, max_tokens: int) -> str:
-    stream = await c.completions.create(model="m", prompt="x", max_tokens=max_tokens, stream=True)
-    return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
-
-
-def completions(worker) -> int:
-    return sum(1 for r in worker.stats.requests if r.path == "/v1/completions")
-
-
 async def test_agent_registers_heartbeats_and_drains_on_sigterm(fake_worker, gateway, client):
     static = await fake_worker(models="m", tpot_ms=40, ttft_ms=1)
     agented = await fake_worker(models="m", tpot_ms=40, ttft_ms=1)
@@ -87,9 +78,9 @@ async def test_agent_registers_heartbeats_and_drains_on_sigterm(fake_worker, gat
         await wait_until(lambda: registry.get(agented.url).inflight >= 1, timeout=5)
         agent.send_signal(signal.SIGTERM)
         await wait_until(lambda: registry.get(agented.url).state is WorkerState.DRAINING, timeout=5)
-        sent = completions(agented)
+        sent = completions_at(agented)
         quick = await asyncio.gather(*(stream_text(c, 2) for _ in range(8)))
-        assert quick == [" w0 w1"] * 8 and completions(agented) == sent  # nothing new
+        assert quick == [" w0 w1"] * 8 and completions_at(agented) == sent  # nothing new
 
         # The agent waits for the streams, then deregisters and exits 0.
         assert agent.returncode is None

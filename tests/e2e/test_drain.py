@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from tests.conftest import STEADY_PROBES, wait_until
+from tests.support.streams import completions_at, stream_text
 from vllm_gateway.app import REGISTRY
 from vllm_gateway.cli.admin_client import AdminClient
 from vllm_gateway.config.gateway import AdminConfig, BreakerConfig
@@ -24,15 +25,6 @@ def expected_text(n: int) -> str:
     return "".join(f" w{i}" for i in range(n))
 
 
-async def stream_text(c: openai.AsyncOpenAI, max_tokens: int, model: str = "m") -> str:
-    stream = await c.completions.create(model=model, prompt="x", max_tokens=max_tokens, stream=True)
-    return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
-
-
-def requests_to(worker) -> int:
-    return sum(1 for r in worker.stats.requests if r.path == "/v1/completions")
-
-
 async def test_drained_worker_gets_nothing_new_and_its_streams_finish(fake_worker, gateway, client):
     w1 = await fake_worker(models="m", tpot_ms=25, ttft_ms=1)
     w2 = await fake_worker(models="m", tpot_ms=25, ttft_ms=1)
@@ -46,7 +38,7 @@ async def test_drained_worker_gets_nothing_new_and_its_streams_finish(fake_worke
     async with AdminClient(gw.url, TOKEN) as admin:
         answer = await admin.drain(w1.url)
         assert answer["worker"]["state"] == "draining" and answer["idle"] is False
-        sent_before = requests_to(w1)
+        sent_before = completions_at(w1)
 
         # New requests while w1 drains all go to w2.
         later = [asyncio.create_task(stream_text(c, 4)) for _ in range(12)]
@@ -57,14 +49,14 @@ async def test_drained_worker_gets_nothing_new_and_its_streams_finish(fake_worke
         results = await asyncio.gather(*first, *later)
         assert results[:8] == [expected_text(16)] * 8  # in-flight streams finished intact
         assert results[8:] == [expected_text(4)] * 12
-        assert requests_to(w1) == sent_before
-        assert requests_to(w2) >= 12
+        assert completions_at(w1) == sent_before
+        assert completions_at(w2) >= 12
 
         # Undrained, it takes requests again (after one probe).
         undrained = await admin.undrain(w1.url)
         assert undrained["changed"] is True and undrained["worker"]["state"] == "ready"
         await asyncio.gather(*(stream_text(c, 2) for _ in range(10)))
-        assert requests_to(w1) > sent_before
+        assert completions_at(w1) > sent_before
 
 
 async def test_drain_wait_times_out_while_a_stream_runs(fake_worker, gateway, client):
