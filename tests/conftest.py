@@ -56,12 +56,16 @@ async def fake_worker() -> AsyncIterator[Callable[..., Awaitable[FakeWorker]]]:
 async def gateway() -> AsyncIterator[Callable[..., Awaitable[RunningServer]]]:
     """Factory: `await gateway(workers=[w1, w2], policy=...)` starts a gateway on port 0.
 
-    `workers` may hold FakeWorkers or URLs; other keyword arguments are GatewayConfig fields.
+    `workers` may hold FakeWorkers, URLs or WorkerSpecs; other keyword arguments are
+    GatewayConfig fields.
     """
     started: list[RunningServer] = []
 
     async def make(workers: list[Any] = (), **kwargs: Any) -> RunningServer:
-        specs = tuple(WorkerSpec(url=w if isinstance(w, str) else w.url) for w in workers)
+        specs = tuple(
+            w if isinstance(w, WorkerSpec) else WorkerSpec(url=w if isinstance(w, str) else w.url)
+            for w in workers
+        )
         kwargs.setdefault("probe", FAST_PROBES)
         config = GatewayConfig(host="127.0.0.1", port=0, workers=specs, **kwargs)
         server = await start_server(

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from vllm_gateway.config.gateway import GatewayConfig
+from vllm_gateway.config.gateway import AutoscaleConfig, GatewayConfig
 from vllm_gateway.config.load import normalize_url
 from vllm_gateway.control.admin import AdminApi
 from vllm_gateway.control.registration import Registration
@@ -78,6 +78,15 @@ class Gateway:
     # Workers dropped from the config that still had requests in flight: draining, and
     # removed from the registry when their last request ends.
     retiring: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.follow_autoscale(self.config.autoscale)
+
+    def follow_autoscale(self, config: AutoscaleConfig) -> None:
+        """Apply autoscale settings: the autoscaler's, and the models whose requests wait
+        for a worker to start (`min_workers = 0`: scale from zero) in the dispatcher."""
+        self.autoscaler.config = config
+        self.dispatcher.scales_from_zero = config.scaled_from_zero()
 
     def retire_when_idle(self, lease: Lease) -> None:
         """`on_release` hook: remove a retiring worker once its last request ended."""

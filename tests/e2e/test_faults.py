@@ -123,9 +123,10 @@ async def test_connect_timeout_is_unreachable_and_retried_elsewhere(fake_worker,
     assert gw.app[DISPATCHER].retries >= 1
 
     t0 = time.monotonic()
-    status, _, body = await call(http, alone)
-    assert status == 502 and error_of(body)["code"] == "worker_unreachable"
-    assert "connect timed out" in error_of(body)["message"]
+    status, headers, body = await call(http, alone)
+    # The only worker: out now, so 503 with Retry-After (SDKs retry it), and why.
+    assert status == 503 and error_of(body)["code"] == "no_worker_available"
+    assert "connect timed out" in error_of(body)["message"] and headers["Retry-After"]
     assert 0.4 < time.monotonic() - t0 < 3  # the connect limit (0.5 s), not longer
     await settled(gw, ok)
     await settled(alone)
@@ -379,7 +380,7 @@ async def test_huge_event_is_relayed_intact(fake_worker, gateway, http):
 # --- dead and restarted workers -------------------------------------------------------------
 
 
-async def test_refused_connections_are_retried_then_503_once_probed(fake_worker, gateway, http):
+async def test_refused_connections_are_retried_then_503(fake_worker, gateway, http):
     dead = await fake_worker(models="m")
     ok = await fake_worker(models="m")
     gw = await gateway([dead, ok], timeouts=QUICK, probe=ONCE, policy="round_robin")
@@ -387,12 +388,15 @@ async def test_refused_connections_are_retried_then_503_once_probed(fake_worker,
     await dead.pause()
     results = await asyncio.gather(*(call(http, gw) for _ in range(4)))
     assert [s for s, _, _ in results] == [200] * 4 and asked(ok, "completed") == 4
-    assert gw.app[DISPATCHER].retries == 2
+    # Requests picked before the first refusal took the dead worker out may meet it too.
+    assert 1 <= gw.app[DISPATCHER].retries <= 2
 
-    # The only worker refusing: 502 at once; once a probe saw it, 503 with Retry-After.
+    # The only worker refusing: out at once, 503 with Retry-After; so once a probe saw it.
     probed = ProbeConfig(interval=0.1, timeout=0.5, unhealthy_after=1, startup_wait=2)
-    status, _, body = await call(http, alone)
-    assert status == 502 and error_of(body)["code"] == "worker_unreachable"
+    for _ in range(2):
+        status, headers, body = await call(http, alone)
+        assert status == 503 and error_of(body)["code"] == "no_worker_available"
+        assert int(headers["Retry-After"]) >= 1
     watched = await gateway([ok], timeouts=QUICK, probe=probed)
     await ok.pause()
     registry = watched.app[REGISTRY]

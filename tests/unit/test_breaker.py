@@ -63,8 +63,8 @@ async def test_what_counts_as_a_failure(outcome, status, counts):
 async def test_opens_after_failures_in_a_row_only():
     _, worker, dispatcher, breaker = setup(failures=3)
     for _ in range(5):  # a success between failures resets the count
-        finish(breaker, dispatcher, worker, dispatch.UNREACHABLE)
-        finish(breaker, dispatcher, worker, dispatch.UNREACHABLE)
+        finish(breaker, dispatcher, worker, dispatch.BROKEN)
+        finish(breaker, dispatcher, worker, dispatch.BROKEN)
         finish(breaker, dispatcher, worker)
     assert worker.circuit is Circuit.CLOSED and worker.breaker_openings == 0
     for _ in range(3):
@@ -76,8 +76,8 @@ async def test_opens_after_failures_in_a_row_only():
 
 async def test_half_open_lets_one_trial_through_then_closes_on_success():
     registry, worker, dispatcher, breaker = setup(failures=2, open_seconds=0.05)
-    finish(breaker, dispatcher, worker, dispatch.UNREACHABLE)
-    finish(breaker, dispatcher, worker, dispatch.UNREACHABLE)
+    finish(breaker, dispatcher, worker, dispatch.BROKEN)
+    finish(breaker, dispatcher, worker, dispatch.BROKEN)
     assert worker.circuit is Circuit.OPEN
     await wait_until(lambda: worker.circuit is Circuit.HALF_OPEN, timeout=2)
     assert worker.available
@@ -95,7 +95,7 @@ async def test_failed_trial_reopens_and_counts_another_opening():
     finish(breaker, dispatcher, worker, dispatch.OK, 500)
     finish(breaker, dispatcher, worker, dispatch.OK, 500)
     await wait_until(lambda: worker.circuit is Circuit.HALF_OPEN, timeout=2)
-    finish(breaker, dispatcher, worker, dispatch.UNREACHABLE)
+    finish(breaker, dispatcher, worker, dispatch.BROKEN)
     assert worker.circuit is Circuit.OPEN and worker.breaker_openings == 2
     await wait_until(lambda: worker.circuit is Circuit.HALF_OPEN, timeout=2)
     breaker.stop()
@@ -104,7 +104,7 @@ async def test_failed_trial_reopens_and_counts_another_opening():
 async def test_disabled_breaker_never_opens():
     _, worker, dispatcher, breaker = setup(failures=0)
     for _ in range(50):
-        finish(breaker, dispatcher, worker, dispatch.UNREACHABLE)
+        finish(breaker, dispatcher, worker, dispatch.BROKEN)
     assert worker.circuit is Circuit.CLOSED and worker.available
 
 
@@ -113,11 +113,11 @@ async def test_the_last_available_worker_of_a_model_is_never_cut_off():
     other = registry.get("http://w2")
     registry.set_state(other, WorkerState.DRAINING, "test")
     for _ in range(5):
-        finish(breaker, dispatcher, worker, dispatch.UNREACHABLE)
+        finish(breaker, dispatcher, worker, dispatch.BROKEN)
     assert worker.circuit is Circuit.CLOSED and worker.available
     # With another worker back, the next failure opens it.
     registry.set_state(other, WorkerState.READY, "test")
-    finish(breaker, dispatcher, worker, dispatch.UNREACHABLE)
+    finish(breaker, dispatcher, worker, dispatch.BROKEN)
     assert worker.circuit is Circuit.OPEN
     # A failed trial while it has become the last one closes it instead of reopening.
     await wait_until(lambda: worker.circuit is Circuit.HALF_OPEN, timeout=2)
@@ -128,7 +128,7 @@ async def test_the_last_available_worker_of_a_model_is_never_cut_off():
 
 async def test_removed_worker_does_not_half_open():
     registry, worker, dispatcher, breaker = setup(failures=1, open_seconds=0.02)
-    finish(breaker, dispatcher, worker, dispatch.UNREACHABLE)
+    finish(breaker, dispatcher, worker, dispatch.BROKEN)
     registry.remove(worker.url, "test")
     await asyncio.sleep(0.1)
     assert worker.circuit is Circuit.OPEN and worker.state is WorkerState.REMOVED
@@ -137,8 +137,23 @@ async def test_removed_worker_does_not_half_open():
 async def test_transitions_are_logged_once(logs):
     _, worker, dispatcher, breaker = setup(failures=2)
     for _ in range(6):
-        finish(breaker, dispatcher, worker, dispatch.UNREACHABLE)
+        finish(breaker, dispatcher, worker, dispatch.BROKEN)
     records = logs.records("worker circuit")
     assert len(records) == 1, records
     assert records[0]["new"] == "open" and "2 failed requests in a row" in records[0]["reason"]
     breaker.stop()
+
+
+@pytest.mark.parametrize("state", [WorkerState.READY, WorkerState.DRAINING])
+async def test_an_unreachable_worker_is_out_at_once_even_the_last_one(state):
+    registry = WorkerRegistry()
+    worker, _ = registry.add("http://w1", models=["m"])  # the only worker of "m"
+    registry.set_state(worker, state, "test")
+    dispatcher = Dispatcher(registry, make_policy("round_robin"))
+    breaker = CircuitBreaker(registry, BreakerConfig(failures=3))
+    finish(breaker, dispatcher, worker, dispatch.UNREACHABLE)
+    if state is WorkerState.READY:  # one refused connection: unhealthy until a probe passes
+        assert worker.state is WorkerState.UNHEALTHY and not worker.available
+    else:  # a draining worker stays draining (its drain decides when it leaves)
+        assert worker.state is WorkerState.DRAINING
+    assert worker.circuit is Circuit.CLOSED  # the circuit is the breaker's count, apart

@@ -96,7 +96,13 @@ class RegistrationConfig:
 class ScaleRule:
     """How the autoscaler treats one model: a `[autoscale.models."NAME"]` table."""
 
-    min_workers: int = setting(1, "Fewest workers the autoscaler keeps for the model.", minimum=0)
+    min_workers: int = setting(
+        1,
+        "Fewest workers the autoscaler keeps for the model. 0: scale from zero: the model "
+        "is known with no worker, and its requests wait in the admission queue "
+        "(`dispatch.max_queued`, `dispatch.max_queue_wait`) while one starts.",
+        minimum=0,
+    )
     max_workers: int = setting(4, "Most workers the autoscaler starts for the model.", minimum=1)
     target_per_worker: float = setting(
         0.0,
@@ -184,6 +190,10 @@ class AutoscaleConfig:
     models: dict[str, ScaleRule] = setting(  # noqa: RUF009
         {}, 'Per-model rules: `[autoscale.models."NAME"]` tables, keyed by model name.'
     )
+
+    def scaled_from_zero(self) -> frozenset[str]:
+        """Models whose rule lets them have no worker: their requests wait for one."""
+        return frozenset(m for m, rule in self.models.items() if rule.min_workers == 0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,10 @@ class WorkerSpec:
     url: str = setting("", "Base URL of the worker's OpenAI server, e.g. http://10.0.0.5:8000.")
     models: tuple[str, ...] = setting(
         (),
-        "Model names pinned for this worker. Empty: learned from its /v1/models.",
+        "Models this worker serves, known before the gateway first reaches it (a request "
+        "for one waits or gets 503 with Retry-After while the worker is out, never 404); "
+        "pinned: its /v1/models does not change them. Empty: learned from its /v1/models "
+        "and remembered while it is out.",
     )
     weight: float = setting(1.0, "Relative share of traffic for weighted policies.", minimum=0.0)
 

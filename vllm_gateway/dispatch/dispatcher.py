@@ -14,6 +14,10 @@ no error path can forget it. The pick (docs/dispatch.md):
    a worker when one has room: on a release, a scrape, or a registry change. Nothing
    waits, no task or timer is made, when a worker has a token.
 
+When step 1 leaves none: a model no worker serves is a 404, a known one (its workers are
+all out) a 503 with `Retry-After`; a model in `scales_from_zero` waits in the admission
+queue instead, within its bounds, while a worker starts (`_without_worker`).
+
 The retry rule, stated once (docs/reliability.md shows the tests that hold it to this):
 
 - A request is tried again, on another worker, only when
@@ -30,6 +34,10 @@ The retry rule, stated once (docs/reliability.md shows the tests that hold it to
   while another ready worker serves the model: `Lease.can_retry` says so before the
   attempt, so the relay knows whether a 503/429 is its to swallow. When no attempt is
   left, the worker's own 503/429 answer goes to the client as it is.
+- A worker that could not be reached is out at once (the breaker sets it unhealthy; the
+  next passing probe brings it back), so the next pick does not try it again. When no
+  attempt is left after an unreachable one, the client gets 503 `no_worker_available`
+  with `Retry-After` (`unreachable_answer`), never a 502: SDKs retry a 503.
 - Between attempts the lease is released and the request waits `retry.backoff` seconds,
   doubling per attempt up to `retry.backoff_max`, drawn between half and all of it.
 - Each retry logs one WARNING line and counts in `Dispatcher.retries`.
@@ -150,6 +158,18 @@ class _LeaseContext:
         if exc is not None and lease.outcome == OK:
             lease.outcome = outcome_of(exc)
         self._dispatcher._release(lease)
+        if isinstance(exc, WorkerUnreachable):
+            raise unreachable_answer(lease, exc) from exc
+
+
+def unreachable_answer(lease: Lease, exc: WorkerUnreachable) -> NoWorkerAvailable:
+    """What the client gets when the last worker tried could not be reached: a 503 with
+    `Retry-After` (SDKs retry it; a 502 they do not), for that worker is out now (the
+    breaker took it out on release) and the next request may find another or wait."""
+    return NoWorkerAvailable(
+        f"No worker serving `{lease.info.model}` could be reached "
+        f"({lease.attempt} tried; last: {exc.message})."
+    )
 
 
 def outcome_of(exc: BaseException) -> str:
@@ -192,6 +212,9 @@ class Dispatcher:
         # Called with each finished lease (telemetry, access log); kept cheap.
         self.on_release: list[Callable[[Lease], None]] = []
         self.retries = 0  # requests tried again on another worker, since start
+        # Models whose requests wait in the admission queue when no worker serves them or
+        # none is available (the autoscaler starts one: scale from zero), instead of 404/503.
+        self.scales_from_zero: frozenset[str] = frozenset()
         registry.listeners.append(self._on_registry_change)
         registry.stats_listeners.append(self._on_stats)
 
@@ -238,11 +261,12 @@ class Dispatcher:
         """A lease on a worker with room now; None: wait in the queue. Raises when no
         worker could ever take it (unknown model, none available)."""
         serving = self.registry.serving(info.model)
-        if not serving:
-            raise ModelNotFound(self._unknown_model_message(info.model), param="model")
         available = [w for w in serving if w.available and w not in exclude]
         if not available:
-            raise self._none_available(info, serving, exclude)
+            error = self._without_worker(info, serving, exclude)
+            if error is not None:
+                raise error
+            return None  # the model scales from zero: wait for a worker to start
         if info.model in self.admission.queues:
             return None  # others are waiting for this model: first come, first served
         return self._pick(info, exclude, available)
@@ -316,11 +340,9 @@ class Dispatcher:
                 continue
             available = [w for w in serving if w.available and w not in waiter.exclude]
             error: GatewayError | None = None
-            if not serving:
-                error = ModelNotFound(self._unknown_model_message(model), param="model")
-            elif not available:
-                error = self._none_available(waiter.info, serving, waiter.exclude)
-            lease = None if error else self._pick(waiter.info, waiter.exclude, available)
+            if not available:
+                error = self._without_worker(waiter.info, serving, waiter.exclude)
+            lease = self._pick(waiter.info, waiter.exclude, available) if available else None
             if lease is None and error is None:
                 return  # no room yet; strict order, so the rest wait too
             self.admission.leave(waiter, admitted=error is None)
@@ -373,6 +395,18 @@ class Dispatcher:
         if self.admission.depth:
             for model in worker.models:
                 self._serve_queue(model)
+
+    def _without_worker(
+        self, info: RequestInfo, serving: Sequence[Worker], exclude: Sequence[Worker]
+    ) -> GatewayError | None:
+        """The answer for a request no available worker can take: 404 for a model no
+        worker serves, 503 for one whose workers are all out (a known model is never a
+        404), or None: it waits in the admission queue (the model scales from zero)."""
+        if info.model in self.scales_from_zero:
+            return None
+        if not serving:
+            return ModelNotFound(self._unknown_model_message(info.model), param="model")
+        return self._none_available(info, serving, exclude)
 
     def _none_available(
         self, info: RequestInfo, serving: Sequence[Worker], exclude: Sequence[Worker]

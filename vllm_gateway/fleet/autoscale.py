@@ -13,7 +13,8 @@ its `scale_up_command` / `scale_down_command`, once per worker added or taken aw
 So that a bursty demand does not flap the fleet:
   - hysteresis in the desired count itself (demand.desired_workers);
   - scale up only to the lowest desired count seen over `scale_up_window`, and down only to
-    the highest seen over `scale_down_window` (an HPA's stabilization windows);
+    the highest seen over `scale_down_window` (an HPA's stabilization windows); from zero
+    workers, up at once (requests wait in the admission queue: scale from zero);
   - no command for a model within `cooldown` of its previous one;
   - workers a scale-up started count as present for `startup_grace` while they load and
     register (so the next evaluation does not start them again), and workers a scale-down
@@ -198,6 +199,8 @@ class Autoscaler:
         history.append((now, raw))
         while history and now - history[0][0] > max(cfg.scale_up_window, cfg.scale_down_window):
             history.popleft()
+        if raw > current == 0:
+            return raw  # requests wait with no worker at all: no reading to distrust
         if raw > current and cfg.scale_up_window > 0:
             return max(current, min(r for t, r in history if now - t <= cfg.scale_up_window))
         if raw < current and cfg.scale_down_window > 0:

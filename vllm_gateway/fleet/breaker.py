@@ -14,6 +14,12 @@ gave, 4xx included (a client's bad request says nothing against the worker). A c
 went away says nothing either way. Half-open lets one request at a time through
 (`Worker.available`), so a worker that is still broken costs one request per open period.
 
+A lease that found its worker unreachable (the TCP connection could not be opened) takes
+the worker out at once, whatever the counts: its state becomes unhealthy, and the next
+passing probe makes it ready again. A refused connection is not an opinion about a
+request: the worker's process is gone or not listening, and every request sent there in
+the next probe interval would fail the same way (today: be retried, or answered 503).
+
 The breaker never opens the circuit of the last available worker of one of its models:
 with nowhere else to send those requests, an open circuit would only turn the worker's
 errors into 503s and delay its return after a restart (Envoy's outlier detection keeps a
@@ -30,7 +36,7 @@ import asyncio
 from vllm_gateway.config.gateway import BreakerConfig
 from vllm_gateway.dispatch import dispatcher as dispatch
 from vllm_gateway.dispatch.dispatcher import Lease
-from vllm_gateway.workers import Circuit, Worker, WorkerRegistry
+from vllm_gateway.workers import Circuit, Worker, WorkerRegistry, WorkerState
 
 # Lease outcomes that count against the worker. client_gone and ok do not (ok with a 5xx
 # status does, below).
@@ -55,6 +61,8 @@ class CircuitBreaker:
         if outcome == dispatch.CLIENT_GONE:
             return
         worker = lease.worker
+        if outcome == dispatch.UNREACHABLE:
+            self._take_out(worker)
         if outcome in _FAILED_OUTCOMES or lease.status >= 500:
             worker.consecutive_failures += 1
             if worker.circuit is Circuit.HALF_OPEN:
@@ -86,6 +94,13 @@ class CircuitBreaker:
         self._timers.clear()
 
     # --- transitions ---------------------------------------------------------------------
+
+    def _take_out(self, worker: Worker) -> None:
+        """A worker that refused a connection (or never let one open) is out now, not
+        after `unhealthy_after` probes: until then every request sent to it would fail.
+        The next passing probe makes it ready again (health.py)."""
+        if worker.state is WorkerState.READY:
+            self.registry.set_state(worker, WorkerState.UNHEALTHY, "connection failed")
 
     def _open(self, worker: Worker, reason: str) -> None:
         if not self._others_can_serve(worker):

@@ -102,7 +102,7 @@ def apply_config(app: web.Application, new: GatewayConfig) -> list[str]:
         g.routes.body_timeout = new.client.body_timeout
         changes.append(f"client.body_timeout: {new.client.body_timeout:g} s")
     if new.autoscale != old.autoscale:
-        g.autoscaler.config = new.autoscale
+        g.follow_autoscale(new.autoscale)
         changes.append("autoscale settings changed")
     if new.discovery != old.discovery:
         g.discovery.configure(new.discovery)
