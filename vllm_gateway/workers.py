@@ -59,6 +59,7 @@ class Worker:
         "failed",
         "finished_since_scrape",
         "inflight",
+        "inflight_by_model",
         "models",
         "pace",
         "pinned_models",
@@ -88,6 +89,9 @@ class Worker:
         self.state = WorkerState.JOINING
         self.state_reason = "added"
         self.inflight = 0  # requests the gateway has sent and not yet seen finish
+        # The same, by the model each lease asked for (a worker may serve several, and a
+        # request for one is not demand for the others); no zero entries.
+        self.inflight_by_model: dict[str, int] = {}
         self.sent_since_scrape = 0  # requests sent since `stats` was taken
         self.finished_since_scrape = 0  # requests that ended since `stats` was taken
         self.stats: EngineStats | None = None  # None: never scraped, or the snapshot is stale
@@ -108,6 +112,22 @@ class Worker:
             return False
         circuit = self.circuit
         return circuit is Circuit.CLOSED or (circuit is Circuit.HALF_OPEN and self.inflight == 0)
+
+    def inflight_for(self, model: str) -> int:
+        """Requests for `model` the gateway has in flight on this worker."""
+        if len(self.models) <= 1 and not self.inflight_by_model:
+            return self.inflight  # counted without a model (only tests build such workers)
+        return self.inflight_by_model.get(model, 0)
+
+    def share_of(self, model: str) -> float:
+        """The fraction of this worker's load that is `model`'s: its share of the in-flight
+        requests; with none in flight, an even split of what the worker serves (so the
+        shares of a worker's models add up to 1 and no load is counted twice)."""
+        if len(self.models) <= 1:
+            return 1.0 if model in self.models or not self.models else 0.0
+        if self.inflight:
+            return self.inflight_for(model) / self.inflight
+        return 1.0 / len(self.models) if model in self.models else 0.0
 
     def __repr__(self) -> str:
         return f"Worker({self.url!r}, {self.state}, inflight={self.inflight})"

@@ -178,3 +178,25 @@ async def test_placeholders_are_filled_in(tmp_path):
     a = autoscaler(registry, Clock(), models={"m": rule})
     await a.step()
     assert out.read_text() == "m 2 1\n"
+
+
+def test_a_shared_workers_load_counts_under_the_model_its_requests_asked_for():
+    registry = WorkerRegistry()
+    w, _ = registry.add("http://shared", models=["a", "b"])
+    registry.set_state(w, WorkerState.READY, "test")
+    registry.set_stats(w, EngineStats(6, 2, None, 0.0))
+    w.inflight, w.inflight_by_model = 4, {"a": 4}  # every request in flight asked for "a"
+    a, b = (measure(m, registry.serving(m)) for m in ("a", "b"))
+    assert (a.inflight, a.demand, a.running, a.waiting) == (4, 8, 6, 2)
+    assert (b.inflight, b.demand, b.running, b.waiting) == (0, 0, 0, 0)
+    assert a.workers == b.workers == 1  # capacity for both all the same
+
+    w.inflight, w.inflight_by_model = 4, {"a": 1, "b": 3}
+    a, b = (measure(m, registry.serving(m)) for m in ("a", "b"))
+    assert (a.inflight, b.inflight) == (1, 3) and (a.demand, b.demand) == (2, 6)
+
+    # Nothing in flight from the gateway (another client, or a stale report): an even
+    # split, so the load is counted once in all.
+    w.inflight, w.inflight_by_model = 0, {}
+    a, b = (measure(m, registry.serving(m)) for m in ("a", "b"))
+    assert a.demand == b.demand == 4

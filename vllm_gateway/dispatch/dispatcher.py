@@ -286,6 +286,7 @@ class Dispatcher:
         if worker is None:
             return None
         worker.inflight += 1
+        _count_model(worker, info.model, 1)
         worker.sent_since_scrape += 1
         self.buckets.take(worker)
         attempt = len(exclude) + 1
@@ -379,6 +380,7 @@ class Dispatcher:
     def _release(self, lease: Lease) -> None:
         worker = lease.worker
         worker.inflight -= 1
+        _count_model(worker, lease.info.model, -1)
         worker.finished_since_scrape += 1
         outcome = lease.outcome
         if outcome == OK:
@@ -423,6 +425,16 @@ class Dispatcher:
             f"The model `{model}` does not exist on this gateway. "
             f"Available models: {listed or 'none'}."
         )
+
+
+def _count_model(worker: Worker, model: str, delta: int) -> None:
+    """Count a lease in (+1) or out (-1) of the worker's in-flight requests for `model`."""
+    by_model = worker.inflight_by_model
+    n = by_model.get(model, 0) + delta
+    if n > 0:
+        by_model[model] = n
+    else:
+        by_model.pop(model, None)
 
 
 def _bound(waiter: Waiter) -> bool:

@@ -2,7 +2,10 @@
 
     demand  = sum over the model's workers of their load (load.py: what vLLM reported
               running + waiting, corrected by what the gateway sent and saw finish since,
-              never less than the gateway's own in-flight count)
+              never less than the gateway's own in-flight count), times the model's share
+              of it (Worker.share_of: the model's part of the worker's in-flight requests,
+              counted by each lease's model; so a worker serving two models does not count
+              one model's requests under both)
             + requests queued for the model in the gateway's admission queue
     desired = ceil(demand / target_per_worker), within [min_workers, max_workers]
 
@@ -35,9 +38,9 @@ class ModelDemand:
     model: str
     workers: int = 0  # ready or joining workers serving the model
     ready: int = 0
-    inflight: int = 0  # requests the gateway has in flight on them
-    running: float = 0.0  # as the workers last reported (vllm:num_requests_running)
-    waiting: float = 0.0  # as the workers last reported (vllm:num_requests_waiting)
+    inflight: int = 0  # requests for the model the gateway has in flight on them
+    running: float = 0.0  # the workers last reported (vllm:num_requests_running), its share
+    waiting: float = 0.0  # the workers last reported (vllm:num_requests_waiting), its share
     queued: int = 0  # waiting in the gateway's admission queue
     queue_wait: float = 0.0  # seconds the oldest queued request has waited
     demand: float = 0.0
@@ -64,18 +67,20 @@ def measure(
     d = ModelDemand(model, queued=queued, queue_wait=queue_wait)
     total = 0.0
     for w in workers:
+        inflight = w.inflight_for(model)
         if w.state not in COUNTED:
-            if w.inflight:  # a draining worker's requests are still demand being served
-                total += w.inflight
-                d.inflight += w.inflight
+            if inflight:  # a draining worker's requests are still demand being served
+                total += inflight
+                d.inflight += inflight
             continue
         d.workers += 1
         d.ready += w.state is WorkerState.READY
-        d.inflight += w.inflight
+        d.inflight += inflight
+        share = w.share_of(model)
         if w.stats is not None:
-            d.running += w.stats.running
-            d.waiting += w.stats.waiting
-        total += load(w)
+            d.running += w.stats.running * share
+            d.waiting += w.stats.waiting * share
+        total += load(w) * share
     d.demand = total + queued
     return d
 

@@ -137,7 +137,7 @@ class StatusViews:
                 totals = model_totals(model)
                 totals.workers += 1
                 totals.ready += w.state is WorkerState.READY
-                totals.inflight += w.inflight
+                totals.inflight += w.inflight_for(model)  # by the leases' model
         return {
             "gateway": {
                 "version": __version__,

@@ -317,7 +317,8 @@ def _fleet_metrics(
         (
             "model_demand",
             "demand",
-            "Requests running, waiting or in flight on the model's workers, plus those queued "
+            "Requests for the model running, waiting or in flight on its workers (a shared "
+            "worker's load split by the models its requests asked for), plus those queued "
             "in the gateway (the autoscaler's demand).",
         ),
         (
