@@ -6,7 +6,12 @@
     await worker.stop()
 
 Token i of every answer is " w{i}". A client that goes away is counted in
-`stats.aborted` and its batch slot is freed at once.
+`stats.aborted` and its batch slot is freed at once. It answers in vLLM's shapes:
+completions and chat with `n` choices (each event of a stream carries one, with its
+`index`) and `logprobs` (chat: `logprobs` + `top_logprobs`; completions: `logprobs: k`),
+`/v1/responses` (OpenAI's Responses API, streamed with `event:` lines), embeddings,
+score, rerank, tokenize; a body that fails vLLM's schema is a 400 worded as FastAPI words
+it ("Input should be a valid list", "Field required").
 
 Faults act on the model endpoints (POST /v1/*, /tokenize, ...), never on /health,
 /metrics, /v1/models or /fake/*. They are chosen worker-wide (config.fault,

@@ -15,13 +15,14 @@ import orjson
 from aiohttp import web
 
 from vllm_gateway.fake_worker import protocol as p
+from vllm_gateway.fake_worker import responses_format as r
 from vllm_gateway.fake_worker.config import FakeWorkerConfig, Fault
 from vllm_gateway.fake_worker.engine import Engine
 from vllm_gateway.fake_worker.faults import BodyWriter, StreamEnded, before_headers, send_body
 from vllm_gateway.fake_worker.stats import RequestRecord
 
 CALL = web.RequestKey("fake_call", object)
-GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}
 
 
@@ -58,6 +59,7 @@ class OpenAIApi:
         get("/v1/models", self.models)
         post("/v1/completions", self.completions)
         post("/v1/chat/completions", self.chat)
+        post("/v1/responses", self.responses)
         post("/v1/embeddings", self.embeddings)
         post("/tokenize", self.tokenize)
         post("/detokenize", self.detokenize)
@@ -96,11 +98,15 @@ class OpenAIApi:
 
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         call, body, model = self._parse(request)
-        if chat and not isinstance(body.get("messages"), list):
-            raise p.ApiError(400, "Field required: messages", "messages")
-        if not chat and body.get("prompt") is None:
-            raise p.ApiError(400, "Field required: prompt", "prompt")
+        if chat:
+            p.require(body, "messages", "list_type")
+        elif body.get("prompt") is None:
+            raise p.invalid("prompt", "missing", body)
+        elif not isinstance(body["prompt"], str | list):
+            raise p.invalid("prompt", "string_type", body["prompt"])
         n = p.max_tokens(body, self.config.max_tokens, chat)
+        choices = p.choice_count(body)
+        logprobs = p.logprobs_wanted(body, chat)
         stream, include_usage = p.stream_flags(body)
         prompt = p.prompt_tokens(body)
         rid = p.request_id("chatcmpl" if chat else "cmpl", request.headers.get("X-Request-Id"))
@@ -111,28 +117,71 @@ class OpenAIApi:
             await self.engine.generate(call.arrival, model, prompt, n, None)
             text = "x" * huge + p.output_text(n)
             make = p.chat_body if chat else p.completion_body
-            return await self._reply(request, call, make(rid, model, text, prompt, n))
+            lp = p.answer_logprobs(n, logprobs, chat)
+            return await self._reply(request, call, make(rid, model, text, prompt, n, choices, lp))
 
+        # One format per choice: each event carries one choice, with its index (vLLM's).
+        formats = [p.ChunkFormat(rid, model, chat, j, logprobs) for j in range(choices)]
+        malformed = fault is not None and fault.name == "malformed_sse"
+
+        def events(i: int) -> list[bytes]:
+            out = []
+            for fmt in formats:
+                if i == 0:
+                    if (role := fmt.role()) is not None:
+                        out.append(role)
+                    if huge:
+                        out.append(fmt.text(orjson.dumps("x" * huge)))
+                out.append(fmt.malformed(i) if malformed else fmt.token(i, i == n - 1))
+            return out
+
+        usage = [formats[0].usage(prompt, n * choices)] if include_usage else []
+        return await self._stream(request, call, model, (prompt, n), events, [*usage, p.DONE])
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """/v1/responses: OpenAI's Responses API as vLLM serves it, streamed or not."""
+        call, body, model = self._parse(request)
+        prompt = r.input_words(body)
+        n = r.max_output_tokens(body, self.config.max_tokens)
+        stream, _ = p.stream_flags(body)
+        fmt = r.ResponseFormat(request.headers.get("X-Request-Id"), model, body, prompt, n)
+        text = p.output_text(n)
+        await before_headers(call.fault)
+        if not stream:
+            await self.engine.generate(call.arrival, model, prompt, n, None)
+            return await self._reply(request, call, fmt.body(text, n))
+
+        def events(i: int) -> list[bytes]:
+            return [*fmt.opening(), fmt.delta(i)] if i == 0 else [fmt.delta(i)]
+
+        return await self._stream(request, call, model, (prompt, n), events, fmt.closing, text)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        call: Call,
+        model: str,
+        size: tuple[int, int],
+        events: Callable[[int], list[bytes]],
+        closing: list[bytes] | Callable[[str, int], list[bytes]],
+        text: str = "",
+    ) -> web.StreamResponse:
+        """Answer as an event stream: `events(i)` as token i is made, then `closing` (or
+        what it makes of the whole text); `size` is (prompt tokens, answer tokens)."""
         # Like vLLM (Starlette), the status line goes out at once, before the queue.
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
-        fmt = p.ChunkFormat(rid, model, chat)
-        out = BodyWriter(request, fault, self._on_fault(call))
-        malformed = fault is not None and fault.name == "malformed_sse"
+        out = BodyWriter(request, call.fault, self._on_fault(call))
 
         async def on_token(i: int) -> None:
-            if i == 0:
-                if (role := fmt.role()) is not None:
-                    await out.event(resp, role)
-                if huge:
-                    await out.event(resp, fmt.text(orjson.dumps("x" * huge)))
-            await out.event(resp, fmt.malformed(i) if malformed else fmt.token(i, i == n - 1))
+            for event in events(i):
+                await out.event(resp, event)
 
+        prompt, n = size
         try:
             await self.engine.generate(call.arrival, model, prompt, n, on_token)
-            if include_usage:
-                await out.event(resp, fmt.usage(prompt, n))
-            await out.event(resp, p.DONE)
+            for event in closing if isinstance(closing, list) else closing(text, n):
+                await out.event(resp, event)
         except StreamEnded:
             pass
         except ConnectionResetError:  # a write found the client gone

@@ -58,6 +58,47 @@ def error_body(status: int, message: str, param: str | None = None) -> bytes:
     return orjson.dumps({"error": err})
 
 
+def invalid(field: str, kind: str, value: Any) -> ApiError:
+    """A 400 worded as vLLM words a body that fails its schema: FastAPI's validation error
+    (pydantic's `type`, `loc` and `msg` for the field), e.g. `"messages": 5` ->
+    "Input should be a valid list", not "Field required"."""
+    messages = {
+        "missing": "Field required",
+        "list_type": "Input should be a valid list",
+        "string_type": "Input should be a valid string",
+        "int_type": "Input should be a valid integer",
+        "bool_type": "Input should be a valid boolean",
+        "dict_type": "Input should be a valid dictionary",
+    }
+    detail = {"type": kind, "loc": ("body", field), "msg": messages[kind], "input": value}
+    return ApiError(400, f"1 validation error:\n  {detail}\n", field)
+
+
+def require(body: dict[str, Any], field: str, kind: str) -> Any:
+    """`body[field]`, which must be present and of `kind` (a pydantic error type)."""
+    if field not in body:
+        raise invalid(field, "missing", body)
+    value = body[field]
+    ok = {
+        "list_type": isinstance(value, list),
+        "string_type": isinstance(value, str),
+        "dict_type": isinstance(value, dict),
+    }[kind]
+    if not ok:
+        raise invalid(field, kind, value)
+    return value
+
+
+def optional_int(body: dict[str, Any], field: str) -> int | None:
+    """An optional integer field (None when absent or null); a bool is no integer here."""
+    value = body.get(field)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid(field, "int_type", value)
+    return value
+
+
 def request_id(prefix: str, given: str | None) -> str:
     """vLLM uses the caller's X-Request-Id as the base of the response id when given."""
     return f"{prefix}-{given or uuid.uuid4().hex}"
@@ -87,16 +128,53 @@ def prompt_tokens(body: dict[str, Any]) -> int:
 
 
 def max_tokens(body: dict[str, Any], default: int, chat: bool) -> int:
-    value = body.get("max_completion_tokens") if chat else None
-    if value is None:
-        value = body.get("max_tokens")
+    field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
+        else "max_tokens"  # fmt: skip
+    value = optional_int(body, field)
     if value is None:
         return default
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ApiError(400, f"max_tokens must be an integer, got {value!r}.", "max_tokens")
     if value < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {value}.", "max_tokens")
     return value
+
+
+# vLLM's default --max-logprobs: the most `top_logprobs` (chat) or `logprobs` (completions).
+MAX_LOGPROBS = 20
+
+
+def choice_count(body: dict[str, Any]) -> int:
+    """`n`: how many choices to answer with (vLLM: an integer, at least 1)."""
+    n = optional_int(body, "n")
+    if n is None:
+        return 1
+    if n < 1:
+        raise ApiError(400, f"n must be at least 1, got {n}.", "n")
+    return n
+
+
+def logprobs_wanted(body: dict[str, Any], chat: bool) -> int | None:
+    """How many alternatives to list per token, or None for no logprobs at all.
+
+    Chat: `logprobs: true`, with `top_logprobs: k` (0..20) alternatives; completions:
+    `logprobs: k`. Checked as vLLM checks them.
+    """
+    if not chat:
+        k = optional_int(body, "logprobs")
+    else:
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise invalid("logprobs", "bool_type", on)
+        k = optional_int(body, "top_logprobs")
+        if k is not None and not on:
+            raise ApiError(400, "when using `top_logprobs`, `logprobs` must be set to true.",
+                           "top_logprobs")  # fmt: skip
+        if not on:
+            return None
+        k = k or 0
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        field = "top_logprobs" if chat else "logprobs"
+        raise ApiError(400, f"{field} must be between 0 and {MAX_LOGPROBS}, got {k}.", field)
+    return k
 
 
 def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -129,11 +207,58 @@ _CHAT_TAIL = b'},"logprobs":null,"finish_reason":null}]}\n\n'
 _CHAT_LAST = b'},"logprobs":null,"finish_reason":"length","stop_reason":null}]}\n\n'
 
 
-class ChunkFormat:
-    """The SSE events of one streamed answer, for /v1/completions or /v1/chat/completions."""
+# --- logprobs ------------------------------------------------------------------------
+# Deterministic: token i's logprob depends on i alone; its alternatives are " alt{j}",
+# each one nat less likely than the one before. The sampled token ranks first.
 
-    def __init__(self, rid: str, model: str, chat: bool) -> None:
+
+def _logprob(i: int) -> float:
+    return -round(0.05 + (i % 7) * 0.1, 4)
+
+
+def _alternatives(i: int, k: int) -> list[tuple[str, float]]:
+    lp = _logprob(i)
+    return [(f" w{i}", lp)] + [(f" alt{j}", round(lp - j, 4)) for j in range(1, k)]
+
+
+def chat_logprob(i: int, k: int) -> dict[str, Any]:
+    """Chat's entry for token i: token, logprob, bytes and `k` top_logprobs."""
+    token = f" w{i}"
+    top = [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+           for t, lp in _alternatives(i, k)] if k else []  # fmt: skip
+    return {"token": token, "logprob": _logprob(i), "bytes": list(token.encode()),
+            "top_logprobs": top}  # fmt: skip
+
+
+def completion_logprobs(first: int, count: int, k: int) -> dict[str, Any]:
+    """Completions' logprobs for tokens first..first+count-1 (parallel lists)."""
+    tokens = range(first, first + count)
+    return {
+        "text_offset": [len(output_text(i)) for i in tokens],
+        "token_logprobs": [_logprob(i) for i in tokens],
+        "tokens": [f" w{i}" for i in tokens],
+        "top_logprobs": [dict(_alternatives(i, max(k, 1))) for i in tokens],
+    }
+
+
+def answer_logprobs(n: int, k: int | None, chat: bool) -> dict[str, Any] | None:
+    """A whole answer's logprobs (None when not asked for)."""
+    if k is None:
+        return None
+    if chat:
+        return {"content": [chat_logprob(i, k) for i in range(n)]}
+    return completion_logprobs(0, n, k)
+
+
+class ChunkFormat:
+    """The SSE events of one streamed answer, for /v1/completions or /v1/chat/completions:
+    one choice (`index`), with logprobs when `logprobs` (alternatives per token) is set."""
+
+    def __init__(
+        self, rid: str, model: str, chat: bool, index: int = 0, logprobs: int | None = None
+    ) -> None:
         self.chat = chat
+        self.logprobs = logprobs
         self.object = "chat.completion.chunk" if chat else "text_completion"
         self.created = int(time.time())
         self.id = rid
@@ -144,15 +269,22 @@ class ChunkFormat:
             + b'","created":' + str(self.created).encode()
             + b',"model":' + orjson.dumps(model)
         )  # fmt: skip
-        self._head = head + (b',"choices":[{"index":0,"delta":' if chat
-                             else b',"choices":[{"index":0,"text":')  # fmt: skip
+        self._head = head + (b',"choices":[{"index":%d,"delta":' % index if chat
+                             else b',"choices":[{"index":%d,"text":' % index)  # fmt: skip
 
     def role(self) -> bytes | None:
         """Chat's first event, `delta: {"role": "assistant", "content": ""}`."""
         return self._head + _CHAT_ROLE if self.chat else None
 
     def token(self, i: int, last: bool) -> bytes:
-        return self.text(b'" w%d"' % i, last)
+        event = self.text(b'" w%d"' % i, last)
+        if self.logprobs is None:
+            return event  # the common case: constant bytes only
+        if self.chat:
+            lp: dict[str, Any] = {"content": [chat_logprob(i, self.logprobs)]}
+        else:
+            lp = completion_logprobs(i, 1, self.logprobs)
+        return event.replace(b'"logprobs":null', b'"logprobs":' + orjson.dumps(lp), 1)
 
     def text(self, quoted: bytes, last: bool = False) -> bytes:
         """An event carrying `quoted`, a JSON string literal (quotes included)."""
@@ -179,17 +311,25 @@ def _usage(prompt: int, completion: int) -> dict[str, int]:
 # --- whole answers -------------------------------------------------------------------
 
 
-def completion_body(rid: str, model: str, text: str, prompt: int, completion: int) -> bytes:
+def completion_body(
+    rid: str, model: str, text: str, prompt: int, completion: int,
+    choices: int = 1, logprobs: dict[str, Any] | None = None,
+) -> bytes:  # fmt: skip
+    """A whole /v1/completions answer: `choices` alike ones, each of `completion` tokens."""
     return orjson.dumps({
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                     "stop_reason": None, "prompt_logprobs": None}],
-        "usage": {**_usage(prompt, completion), "prompt_tokens_details": None},
+        "choices": [{"index": j, "text": text, "logprobs": logprobs, "finish_reason": "length",
+                     "stop_reason": None, "prompt_logprobs": None} for j in range(choices)],
+        "usage": {**_usage(prompt, completion * choices), "prompt_tokens_details": None},
         "kv_transfer_params": None,
     })  # fmt: skip
 
 
-def chat_body(rid: str, model: str, text: str, prompt: int, completion: int) -> bytes:
+def chat_body(
+    rid: str, model: str, text: str, prompt: int, completion: int,
+    choices: int = 1, logprobs: dict[str, Any] | None = None,
+) -> bytes:  # fmt: skip
+    """A whole /v1/chat/completions answer: `choices` alike ones of `completion` tokens."""
     message: dict[str, object] = {
         "role": "assistant",
         "content": text,
@@ -202,10 +342,10 @@ def chat_body(rid: str, model: str, text: str, prompt: int, completion: int) -> 
     }
     return orjson.dumps({
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": None,
-                     "finish_reason": "length", "stop_reason": None}],
+        "choices": [{"index": j, "message": message, "logprobs": logprobs,
+                     "finish_reason": "length", "stop_reason": None} for j in range(choices)],
         "service_tier": None, "system_fingerprint": None,
-        "usage": {**_usage(prompt, completion), "prompt_tokens_details": None},
+        "usage": {**_usage(prompt, completion * choices), "prompt_tokens_details": None},
         "prompt_logprobs": None, "kv_transfer_params": None,
     })  # fmt: skip
 
