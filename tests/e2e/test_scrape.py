@@ -1,4 +1,6 @@
-"""Scrape: the /metrics parser on real-shaped vLLM pages, and the background scraper."""
+"""Scrape: the /metrics parser on real-shaped vLLM pages (tests/data/README.md: written for
+these tests; the published captures are in tests/unit/test_scrape_captures.py), and the
+background scraper."""
 
 from __future__ import annotations
 
