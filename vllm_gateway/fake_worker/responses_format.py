@@ -93,7 +93,7 @@ class ResponseFormat:
         return {
             "id": self.id, "object": "response", "created_at": self.created,
             "model": self.model, "status": "completed" if done else "in_progress",
-            "output": [self.message(text, True)] if done else [],
+            "output": [self.message(text, True)] if text is not None else [],
             "usage": usage, "error": None, "incomplete_details": None,
             "instructions": self.instructions, "metadata": None,
             "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
