@@ -9,6 +9,7 @@ which SDKs retry; only a model nobody knows is a 404.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import sys
 import time
 
@@ -17,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from tests.conftest import wait_until
-from vllm_gateway.app import DISPATCHER, REGISTRY
+from vllm_gateway.app import DISPATCHER, GATEWAY, REGISTRY
 from vllm_gateway.config.gateway import (
     AutoscaleConfig,
     DispatchConfig,
@@ -28,6 +29,7 @@ from vllm_gateway.config.gateway import (
 )
 from vllm_gateway.fake_worker import FakeWorker, FakeWorkerConfig
 from vllm_gateway.http.server import start_server
+from vllm_gateway.process.reload import apply_config
 from vllm_gateway.workers import WorkerState
 
 pytestmark = pytest.mark.timeout(30)
@@ -166,3 +168,19 @@ async def test_scale_from_zero_waits_within_the_queue_bound(gateway, client):
     assert e.status_code == 503 and e.body["code"] == "queue_timeout"
     assert int(e.response.headers["Retry-After"]) >= 1
     assert 0.4 < time.monotonic() - t0 < 5
+
+
+async def test_a_reload_that_adds_a_scale_from_zero_rule_makes_the_model_wait(gateway, client):
+    gw = await gateway([], dispatch=DispatchConfig(max_queue_wait=0.3))
+    c = client(gw)
+    assert (await status_of(c, "z")).status_code == 404
+    config = gw.app[GATEWAY].config
+    rule = ScaleRule(min_workers=0, max_workers=1)
+    autoscale = dataclasses.replace(config.autoscale, models={"z": rule})
+    assert "autoscale settings changed" in apply_config(
+        gw.app, dataclasses.replace(config, autoscale=autoscale)
+    )
+    e = await status_of(c, "z")
+    assert e.status_code == 503 and e.body["code"] == "queue_timeout"
+    apply_config(gw.app, config)  # and back: unknown again
+    assert (await status_of(c, "z")).status_code == 404
