@@ -9,25 +9,34 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from vllm_gateway.config.gateway import AutoscaleConfig, GatewayConfig
-from vllm_gateway.config.load import normalize_url
+from vllm_gateway import log as logging_setup
+from vllm_gateway.config.gateway import (
+    AutoscaleConfig,
+    DispatchConfig,
+    GatewayConfig,
+    LogConfig,
+    ModelConfig,
+    ScrapeConfig,
+)
+from vllm_gateway.config.section import Configurable, Section
 from vllm_gateway.control.admin import AdminApi
 from vllm_gateway.control.registration import Registration
 from vllm_gateway.dispatch.aliases import AliasTable, check_alias
-from vllm_gateway.dispatch.dispatcher import Dispatcher, Lease
+from vllm_gateway.dispatch.dispatcher import Dispatcher
 from vllm_gateway.dispatch.policies import Policy, check_policy_name, make_policy
 from vllm_gateway.errors import ConfigError
 from vllm_gateway.fleet.autoscale import Autoscaler, admission_view
 from vllm_gateway.fleet.breaker import CircuitBreaker
-from vllm_gateway.fleet.discovery.dns import DnsDiscovery
+from vllm_gateway.fleet.discovery import discovery_sources
 from vllm_gateway.fleet.health import Prober
 from vllm_gateway.fleet.operations import Fleet
-from vllm_gateway.fleet.scrape import Scraper
+from vllm_gateway.fleet.scrape import MetricNames, Scraper
+from vllm_gateway.fleet.sources import StaticWorkers, WorkerSource
 from vllm_gateway.http.front import FRONT, Front
 from vllm_gateway.http.keys import ClientKeys
 from vllm_gateway.http.routes import ERROR_HOOKS, ErrorHook, Routes, error_middleware
@@ -38,7 +47,7 @@ from vllm_gateway.observe.telemetry import ReloadCounters, RequestMetrics
 from vllm_gateway.process.siblings import Siblings
 from vllm_gateway.proxy.pool import UpstreamPool
 from vllm_gateway.proxy.relay import Relay
-from vllm_gateway.workers import WorkerRegistry, WorkerState
+from vllm_gateway.workers import WorkerRegistry
 
 # Typed keys to the parts tests and tools reach for (`app[GATEWAY]` below holds the rest).
 REGISTRY = web.AppKey("registry", WorkerRegistry)
@@ -46,7 +55,8 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 ALIASES = web.AppKey("aliases", AliasTable)
 REGISTRATION = web.AppKey("registration", Registration)
 AUTOSCALER = web.AppKey("autoscaler", Autoscaler)
-DISCOVERY = web.AppKey("discovery", DnsDiscovery)
+# Where workers come from: static config, registration, admin, then each discovery source.
+SOURCES = web.AppKey("sources", list[WorkerSource])
 
 log = get_logger("vllm_gateway.app")
 
@@ -65,19 +75,18 @@ class Gateway:
     fleet: Fleet
     breaker: CircuitBreaker
     aliases: AliasTable
-    admin: AdminApi
-    metrics: RequestMetrics
-    reloads: ReloadCounters
-    status: StatusViews
     autoscaler: Autoscaler
-    discovery: DnsDiscovery
-    keys: ClientKeys | None = None  # client API keys (auth.py)
+    keys: ClientKeys  # client API keys (http/keys.py)
+    status: StatusViews = field(init=False)  # /metrics, /stats, the status page
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    reloads: ReloadCounters = field(default_factory=ReloadCounters)
     access_log: AccessLog | None = None
     # routes.ERROR_HOOKS of this app: called for each error the gateway answers itself.
     error_hooks: list[ErrorHook] = field(default_factory=list)
-    # Workers dropped from the config that still had requests in flight: draining, and
-    # removed from the registry when their last request ends.
-    retiring: set[str] = field(default_factory=set)
+    # Where workers come from, started in this order and stopped in the reverse one.
+    sources: list[WorkerSource] = field(default_factory=list)
+    # What follows a reload, in order: `apply_config` calls each one's `configure`.
+    followers: list[Configurable] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.follow_autoscale(self.config.autoscale)
@@ -88,16 +97,13 @@ class Gateway:
         self.autoscaler.config = config
         self.dispatcher.scales_from_zero = config.scaled_from_zero()
 
-    def retire_when_idle(self, lease: Lease) -> None:
-        """`on_release` hook: remove a retiring worker once its last request ended."""
-        worker = lease.worker
-        if (
-            worker.state is WorkerState.DRAINING
-            and not worker.inflight
-            and worker.url in self.retiring
-        ):
-            self.retiring.discard(worker.url)
-            self.fleet.remove(worker.url, "removed from the configuration")
+    @property
+    def registration(self) -> Registration:
+        return next(s for s in self.sources if isinstance(s, Registration))
+
+    @property
+    def admin(self) -> AdminApi:
+        return next(s for s in self.sources if isinstance(s, AdminApi))
 
     def set_access_log(self, on: bool) -> None:
         """Switch the access log on or off (a new one follows the current log format)."""
@@ -156,10 +162,40 @@ def create_app(
     Background jobs that must run once per host (autoscaler commands) run in process 0.
     """
     check_app_config(config)
-    rng = rng or random.Random()
+    g = build_gateway(config, rng or random.Random(), process_count, process_index)
+    middlewares = [error_middleware, g.keys.middleware]
+    siblings = None
+    if process_count > 1:
+        assert control_dir is not None, "several processes need a control_dir"
+        siblings = Siblings(process_index, process_count, control_dir)
+        middlewares.insert(0, siblings.middleware())
+        g.status.process, g.status.siblings = process_index, siblings
+    app = web.Application(
+        middlewares=middlewares,
+        # aiohttp enforces this on bodies without Content-Length; routes check the header.
+        client_max_size=config.max_body_bytes,
+    )
+    app[REGISTRY], app[DISPATCHER], app[ALIASES] = g.registry, g.dispatcher, g.aliases
+    app[REGISTRATION], app[AUTOSCALER], app[SOURCES] = g.registration, g.autoscaler, g.sources
+    app[GATEWAY], app[ERROR_HOOKS] = g, g.error_hooks
+    if config.client.front_path:  # relay requests served without aiohttp (front.py)
+        app[FRONT] = Front(g.routes, g.keys, g.error_hooks)
+    g.routes.add_to(app)
+    g.status.add_to(app, metrics=config.telemetry.metrics, page=config.telemetry.status_page)
+    if config.registration.enabled:
+        g.registration.add_to(app)
+    app.add_subapp("/admin/", g.admin.app())
+    app.cleanup_ctx.extend(_lifetimes(g, process_index == 0))
+    if siblings is not None:
+        app.cleanup_ctx.append(_siblings_ctx(siblings))
+    return app
+
+
+def build_gateway(
+    config: GatewayConfig, rng: random.Random, process_count: int = 1, process_index: int = 0
+) -> Gateway:
+    """Build every part for `config` and wire them together; nothing starts yet."""
     registry = WorkerRegistry()
-    for spec in config.workers:
-        registry.add(normalize_url(spec.url), models=spec.models, weight=spec.weight)
     policy, per_model = policies_for(config, rng)
     dispatcher = Dispatcher(
         registry,
@@ -180,29 +216,8 @@ def create_app(
     )
     prober = Prober(registry, pool, config.probe, api_key=worker_key)
     scraper = Scraper(registry, pool, config.scrape, api_key=worker_key)
-    keys = ClientKeys(config.auth)
     breaker = CircuitBreaker(registry, config.breaker)
-    dispatcher.on_release.append(breaker.on_release)
-    fleet = Fleet(registry, prober, breaker)
     aliases = AliasTable(registry, config.aliases, rng)
-    registration = Registration(fleet, dispatcher, aliases, config.registration)
-    autoscaler = Autoscaler(
-        registry,
-        config.autoscale,
-        process_index=process_index,
-        queued=admission_view(dispatcher.admission),
-    )
-    discovery = DnsDiscovery(fleet, config.discovery)
-    admin = AdminApi(
-        fleet,
-        aliases,
-        config.admin.token,
-        config.admin.drain_timeout,
-        describers=[registration.describe],
-        scale_view=autoscaler.view,
-    )
-    metrics = RequestMetrics()
-    reloads = ReloadCounters()
     routes = Routes(
         registry,
         dispatcher,
@@ -211,97 +226,172 @@ def create_app(
         aliases,
         body_timeout=config.client.body_timeout,
     )
-    status = StatusViews(config, metrics, registry, dispatcher, scraper, reloads, time.time())
-    status.autoscaler, status.registration = autoscaler, registration
+    admission = admission_view(dispatcher.admission)
+    autoscaler = Autoscaler(
+        registry, config.autoscale, process_index=process_index, queued=admission
+    )
+    fleet = Fleet(registry, prober, breaker)
+    keys = ClientKeys(config.auth)
+    parts = (registry, dispatcher, relay, prober, scraper, routes, fleet, breaker, aliases)
+    g = Gateway(config, *parts, autoscaler, keys)
+    _add_sources(g)
+    g.status = StatusViews(config, g.metrics, registry, dispatcher, scraper, g.reloads, time.time())
+    g.status.autoscaler, g.status.registration = autoscaler, g.registration
+    g.followers = [g.sources[0], *_sections(g), *g.sources[1:]]
+    dispatcher.on_release.extend([breaker.on_release, g.metrics.observe, fleet.on_release])
+    g.error_hooks.append(g.metrics.observe_error)
+    g.set_access_log(config.log.access_log)
+    return g
 
-    siblings = None
-    middlewares = [error_middleware, keys.middleware]
-    if process_count > 1:
-        assert control_dir is not None, "several processes need a control_dir"
-        siblings = Siblings(process_index, process_count, control_dir)
-        middlewares.insert(0, siblings.middleware())
-    app = web.Application(
-        middlewares=middlewares,
-        # aiohttp enforces this on bodies without Content-Length; routes check the header.
-        client_max_size=config.max_body_bytes,
+
+def _add_sources(g: Gateway) -> None:
+    """Where workers come from: the config file, registration, the admin API, discovery."""
+    config = g.config
+    registration = Registration(g.fleet, g.dispatcher, g.aliases, config.registration)
+    admin = AdminApi(
+        g.fleet,
+        g.aliases,
+        config.admin.token,
+        config.admin.drain_timeout,
+        describers=[registration.describe],
+        scale_view=g.autoscaler.view,
     )
-    gateway = Gateway(
-        config,
-        registry,
-        dispatcher,
-        relay,
-        prober,
-        scraper,
-        routes,
-        fleet,
-        breaker,
-        aliases,
-        admin,
-        metrics,
-        reloads,
-        status,
-        autoscaler,
-        discovery,
-        keys=keys,
-    )
-    app[REGISTRY] = registry
-    app[DISPATCHER] = dispatcher
-    app[ALIASES] = aliases
-    app[REGISTRATION] = registration
-    app[AUTOSCALER] = autoscaler
-    app[DISCOVERY] = discovery
-    app[GATEWAY] = gateway
-    app[ERROR_HOOKS] = gateway.error_hooks
-    if config.client.front_path:  # relay requests served without aiohttp (front.py)
-        app[FRONT] = Front(routes, keys, gateway.error_hooks)
-    routes.add_to(app)
-    status.add_to(app, metrics=config.telemetry.metrics, page=config.telemetry.status_page)
-    dispatcher.on_release.extend([metrics.observe, gateway.retire_when_idle])
-    gateway.error_hooks.append(metrics.observe_error)
-    gateway.set_access_log(config.log.access_log)
-    if config.registration.enabled:
-        registration.add_to(app)
-    app.add_subapp("/admin/", admin.app())
+    g.sources = [StaticWorkers(g.fleet, config), registration, admin]
+    g.sources.extend(discovery_sources(g.fleet, config))
+
+
+def _sections(g: Gateway) -> list[Configurable]:
+    """The parts that follow a reload but keep no copy of their section, each adapted."""
+    c = g.config  # the sections each part follows now
+    return [
+        Section(
+            c, _policy_section, lambda _, new: _set_policies(g.dispatcher, new), _policies_changed
+        ),
+        Section(c, lambda c: c.retry, _assign(g.dispatcher, "retry"), "retry settings changed"),
+        Section(c, lambda c: c.timeouts, _assign(g.relay, "timeouts"), "timeouts changed"),
+        Section(c, lambda c: c.probe, _assign(g.prober, "config"), "probe settings changed"),
+        Section(
+            c,
+            lambda c: c.scrape,
+            lambda _, new: _set_scrape(g.scraper, new),
+            "scrape settings changed",
+        ),
+        Section(c, lambda c: c.log, lambda old, new: _set_log(g, old, new), _log_changed),
+        Section(c, lambda c: c.breaker, _assign(g.breaker, "config"), "breaker settings changed"),
+        Section(
+            c, lambda c: c.aliases, lambda _, new: g.aliases.load_config(new), "aliases changed"
+        ),
+        Section(c, lambda c: c.auth.keys, lambda _, new: g.keys.load(new), _keys_changed),
+        Section(
+            c,
+            lambda c: c.client.body_timeout,
+            _assign(g.routes, "body_timeout"),
+            _body_timeout_changed,
+        ),
+        Section(
+            c,
+            lambda c: c.autoscale,
+            lambda _, new: g.follow_autoscale(new),
+            "autoscale settings changed",
+        ),
+        # Read from `Gateway.config` when the next stop begins (daemon.py).
+        Section(c, lambda c: c.lifecycle, lambda old, new: None, "lifecycle settings changed"),
+    ]
+
+
+PolicySection = tuple[str, DispatchConfig, dict[str, ModelConfig]]
+
+
+def _policy_section(config: GatewayConfig) -> PolicySection:
+    return (config.policy, config.dispatch, config.models)
+
+
+def _set_policies(dispatcher: Dispatcher, section: PolicySection) -> None:
+    policy, dispatch, models = section
+    config = GatewayConfig(policy=policy, dispatch=dispatch, models=models)
+    dispatcher.policy, dispatcher.policy_for_model = policies_for(config, dispatcher.rng)
+    dispatcher.configure(dispatch)
+
+
+def _policies_changed(old: PolicySection, new: PolicySection) -> list[str]:
+    changes = [f"policy: {old[0]} -> {new[0]}"] if old[0] != new[0] else []
+    if old[1:] != new[1:]:
+        changes.append("dispatch settings or per-model policies changed")
+    return changes
+
+
+def _assign(part: object, name: str) -> Callable[[object, object], None]:
+    """Follow a section by assigning it to `part.name` (read at each use)."""
+    return lambda old, new: setattr(part, name, new)
+
+
+def _set_scrape(scraper: Scraper, config: ScrapeConfig) -> None:
+    scraper.config, scraper.names = config, MetricNames.from_config(config)
+
+
+def _set_log(g: Gateway, old: LogConfig, new: LogConfig) -> None:
+    if (new.format, new.level) != (old.format, old.level):
+        logging_setup.configure(new.format, new.level)
+    g.set_access_log(new.access_log)
+
+
+def _log_changed(old: LogConfig, new: LogConfig) -> list[str]:
+    access = "on" if new.access_log else "off"
+    return [f"log: format {new.format}, level {new.level}, access log {access}"]
+
+
+def _keys_changed(old: Mapping[str, object], new: Mapping[str, object]) -> list[str]:
+    return [f"client API keys: {len(new)} configured"]
+
+
+def _body_timeout_changed(old: float, new: float) -> list[str]:
+    return [f"client.body_timeout: {new:g} s"]
+
+
+Lifetime = Callable[[web.Application], AsyncIterator[None]]
+
+
+def _lifetimes(g: Gateway, first_process: bool) -> list[Lifetime]:
+    """`cleanup_ctx` pairs: the pool, the probes, the scrapes, then the worker sources
+    and the autoscaler; each stops in the reverse order."""
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-        await pool.open()
+        await g.relay.pool.open()
         yield
-        await pool.close()
+        await g.relay.pool.close()
 
     async def prober_ctx(app: web.Application) -> AsyncIterator[None]:
-        await prober.start()
+        await g.prober.start()
         yield
-        await prober.stop()
+        await g.prober.stop()
 
     async def scraper_ctx(app: web.Application) -> AsyncIterator[None]:
-        await scraper.start()
+        await g.scraper.start()
         yield
-        await scraper.stop()
+        await g.scraper.stop()
 
     async def fleet_ctx(app: web.Application) -> AsyncIterator[None]:
-        if config.registration.enabled:
-            if process_index == 0:
-                _warn_if_registration_open(config)
-            await registration.start()
-        await discovery.start()
-        await autoscaler.start()
+        if g.config.registration.enabled and first_process:
+            _warn_if_registration_open(g.config)
+        for source in g.sources:
+            await source.start()
+        await g.autoscaler.start()
         yield
-        await autoscaler.stop()
-        await discovery.stop()
-        await registration.stop()
-        breaker.stop()
+        await g.autoscaler.stop()
+        for source in reversed(g.sources):
+            await source.stop()
+        g.breaker.stop()
 
-    app.cleanup_ctx.extend([upstream_ctx, prober_ctx, scraper_ctx, fleet_ctx])
-    if siblings is not None:
-        status.process, status.siblings = process_index, siblings
+    return [upstream_ctx, prober_ctx, scraper_ctx, fleet_ctx]
 
-        async def siblings_ctx(app: web.Application) -> AsyncIterator[None]:
-            await siblings.open()
-            yield
-            await siblings.close()
 
-        app.cleanup_ctx.append(siblings_ctx)
-    return app
+def _siblings_ctx(siblings: Siblings) -> Lifetime:
+    async def siblings_ctx(app: web.Application) -> AsyncIterator[None]:
+        await siblings.open()
+        yield
+        await siblings.close()
+
+    return siblings_ctx
 
 
 def check_scale_rules(config: GatewayConfig) -> list[str]:

@@ -30,6 +30,20 @@ class WorkerState(enum.StrEnum):
     REMOVED = "removed"
 
 
+class Source(enum.StrEnum):
+    """Where a worker came from, and so who may retire it (docs/fleet.md).
+
+    A `StrEnum`: `worker.source == "static"` keeps working, and the value is what
+    /list_workers, /admin/workers and the `worker_info` metric show.
+    """
+
+    STATIC = "static"  # the config file, --worker, VLLM_GATEWAY_WORKERS: a reload owns them
+    REGISTERED = "registered"  # POST /register_worker (FastChat's API, the register agent)
+    ADMIN = "admin"  # POST /admin/workers/add: an operator's
+    DNS = "dns"  # an address of a [[discovery.dns]] name
+    KUBERNETES = "kubernetes"  # a ready endpoint of a [[discovery.kubernetes]] Service
+
+
 class Circuit(enum.StrEnum):
     """The passive breaker's verdict on a worker (see breaker.py)."""
 
@@ -78,14 +92,14 @@ class Worker:
         *,
         models: Iterable[str] = (),
         weight: float = 1.0,
-        source: str = "static",
+        source: Source = Source.STATIC,
     ) -> None:
         self.url = url
         # Pinned models are the operator's word: probes do not change them.
         self.pinned_models: frozenset[str] = frozenset(models)
         self.models: frozenset[str] = self.pinned_models
         self.weight = weight
-        self.source = source  # static | registered | dns | admin
+        self.source = Source(source)  # who owns its life (a str of a known source is fine)
         self.state = WorkerState.JOINING
         self.state_reason = "added"
         self.inflight = 0  # requests the gateway has sent and not yet seen finish
@@ -182,7 +196,12 @@ class WorkerRegistry:
     # --- changing --------------------------------------------------------------------------
 
     def add(
-        self, url: str, *, models: Iterable[str] = (), weight: float = 1.0, source: str = "static"
+        self,
+        url: str,
+        *,
+        models: Iterable[str] = (),
+        weight: float = 1.0,
+        source: Source = Source.STATIC,
     ) -> tuple[Worker, bool]:
         """Add a worker (joining) unless known; return it and whether it was new."""
         worker = self._workers.get(url)
@@ -191,7 +210,7 @@ class WorkerRegistry:
         worker = Worker(url, models=models, weight=weight, source=source)
         self._workers[url] = worker
         self._changed()
-        log.info("worker added", worker=url, source=source, models=sorted(worker.models))
+        log.info("worker added", worker=url, source=str(source), models=sorted(worker.models))
         return worker, True
 
     def remove(self, url: str, reason: str) -> Worker | None:

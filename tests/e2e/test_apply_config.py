@@ -53,7 +53,7 @@ async def test_add_and_retire_static_workers(fake_worker, gateway, http, client)
     assert all(body.rstrip().endswith(b"data: [DONE]") for body in bodies)
     assert all(body.count(b'"text":" w') == 30 for body in bodies), bodies
     await wait_until(lambda: registry.get(a.url) is None, timeout=5)
-    assert g.retiring == set()
+    assert g.fleet.retiring == {}
 
 
 async def test_idle_worker_removed_at_once_and_taken_back(fake_worker, gateway):

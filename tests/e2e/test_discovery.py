@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import socket
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
 from tests.conftest import wait_until
-from vllm_gateway.app import DISCOVERY, GATEWAY, REGISTRY
-from vllm_gateway.config.gateway import DiscoveryConfig, DnsName
+from vllm_gateway.app import GATEWAY, REGISTRY, SOURCES
+from vllm_gateway.config.gateway import DiscoveryConfig, DnsName, GatewayConfig
 from vllm_gateway.fleet.discovery.dns import DnsDiscovery, worker_url
 from vllm_gateway.fleet.health import ProbeResult
 from vllm_gateway.fleet.operations import Fleet
@@ -90,8 +91,8 @@ async def test_addresses_become_workers_and_gone_ones_drain_then_leave():
     assert registry.get("http://10.0.0.4:8000").state is WorkerState.READY
     await discovery.refresh()
     assert registry.get(busy.url) is busy  # still finishing its request
-    busy.inflight = 0
-    await discovery.refresh()
+    busy.inflight = 0  # its last request ends: the lease release removes it
+    discovery.fleet.on_release(SimpleNamespace(worker=busy))  # type: ignore[arg-type]
     assert registry.get(busy.url) is None
 
     # A name that stops resolving changes nothing (a DNS hiccup must not empty the fleet).
@@ -127,7 +128,7 @@ async def test_registered_and_admin_workers_are_never_touched_and_names_can_go()
     assert registry.get("http://10.0.0.1:8000").state is WorkerState.JOINING  # untouched
 
     # A reload that drops a name retires its workers.
-    discovery.configure(DiscoveryConfig(dns=(DnsName(url=NAME),)))
+    discovery.configure(GatewayConfig(discovery=DiscoveryConfig(dns=(DnsName(url=NAME),))))
     await discovery.refresh()
     assert urls(registry) == ["http://10.0.0.1:8000"]
 
@@ -146,4 +147,5 @@ async def test_localhost_resolves_to_a_worker_that_serves(fake_worker, gateway, 
     changes = apply_config(gw.app, replace(gw.app[GATEWAY].config, discovery=DiscoveryConfig()))
     assert changes == ["discovery settings changed"]
     await wait_until(lambda: registry.get(w.url) is None, timeout=5)
-    assert gw.app[DISCOVERY].workers() == []
+    (dns,) = (s for s in gw.app[SOURCES] if isinstance(s, DnsDiscovery))
+    assert dns.workers() == []

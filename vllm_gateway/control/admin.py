@@ -25,6 +25,7 @@ from typing import Any
 
 from aiohttp import web
 
+from vllm_gateway.config.gateway import GatewayConfig
 from vllm_gateway.control.access import forbidden, require_token
 from vllm_gateway.control.body import get_bool, get_number, get_str, get_str_list, get_url
 from vllm_gateway.control.body import read_json as read_body
@@ -32,9 +33,10 @@ from vllm_gateway.dispatch.aliases import AliasTable
 from vllm_gateway.errors import BadRequest, WorkerNotFound
 from vllm_gateway.fleet.operations import Fleet
 from vllm_gateway.http.routes import describe_worker, json_response
-from vllm_gateway.workers import Worker
+from vllm_gateway.workers import Source, Worker
 
 WHAT = "admin API"
+REMOVED = "removed by operator"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Extra per-worker fields other modules add to the admin view (registration: heartbeat age).
@@ -44,7 +46,11 @@ ScaleView = Callable[[], dict[str, Any]]
 
 
 class AdminApi:
-    """The /admin/ sub-application's handlers, bound to the objects `create_app` built."""
+    """The /admin/ sub-application's handlers, bound to the objects `create_app` built.
+
+    Also the `WorkerSource` of admin-added workers (fleet/sources.py): they live until an
+    operator removes them; a reload never touches them.
+    """
 
     def __init__(
         self,
@@ -79,6 +85,20 @@ class AdminApi:
         r.add_post("/aliases/remove", self.remove_alias)
         r.add_get("/scale", self.scale)
         return app
+
+    async def start(self) -> None:
+        pass  # nothing runs in the background: every change is an operator's request
+
+    async def stop(self) -> None:
+        pass
+
+    def configure(self, config: GatewayConfig) -> list[str]:
+        """Follow a reloaded [admin] section (the token, the default drain timeout)."""
+        new = config.admin
+        if (new.token, new.drain_timeout) == (self.token, self.drain_timeout):
+            return []
+        self.token, self.drain_timeout = new.token, new.drain_timeout
+        return ["admin settings changed"]
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -118,7 +138,7 @@ class AdminApi:
         models = get_str_list(doc, "models")
         weight = get_number(doc, "weight", 1.0)
         worker, added = await self.fleet.add(
-            url, source="admin", models=models, weight=weight or 0.0
+            url, source=Source.ADMIN, models=models, weight=weight or 0.0
         )
         return json_response({"added": added, "worker": self.describe(worker)})
 
@@ -126,10 +146,9 @@ class AdminApi:
         doc = await read_body(request)
         worker = self._worker(get_url(doc))
         idle = True
-        if get_bool(doc, "drain", False):
-            self.fleet.drain(worker, "draining before removal")
-            idle = await self.fleet.wait_idle(worker, self._timeout(doc))
-        self.fleet.remove(worker.url, "removed by operator")
+        if get_bool(doc, "drain", False) and not self.fleet.retire(worker, REMOVED):
+            idle = await self.fleet.wait_idle(worker, self._timeout(doc))  # removed when idle
+        self.fleet.remove(worker.url, REMOVED)  # at once, or now that the wait timed out
         return json_response({"removed": True, "idle": idle, "worker": self.describe(worker)})
 
     async def drain(self, request: web.Request) -> web.Response:

@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from vllm_gateway.config.gateway import RegistrationConfig
+from vllm_gateway.config.gateway import GatewayConfig, RegistrationConfig
 from vllm_gateway.control.access import AllowedNetworks, forbidden, require_token
 from vllm_gateway.control.body import get_bool, get_number, get_str, get_url, read_json
 from vllm_gateway.dispatch.aliases import AliasTable
@@ -42,7 +42,7 @@ from vllm_gateway.fleet.operations import Fleet
 from vllm_gateway.fleet.periodic import Periodic
 from vllm_gateway.http.routes import json_response
 from vllm_gateway.log import get_logger
-from vllm_gateway.workers import Worker, WorkerState
+from vllm_gateway.workers import Source, Worker, WorkerState
 
 log = get_logger("vllm_gateway.registration")
 
@@ -59,7 +59,8 @@ class Heartbeat:
 
 
 class Registration:
-    """The registration handlers and the heartbeat expiry task."""
+    """The registration handlers and the heartbeat expiry task: the `WorkerSource` of
+    registered workers (fleet/sources.py)."""
 
     def __init__(
         self,
@@ -117,7 +118,7 @@ class Registration:
             raise BadRequest("`worker_status.model_names` must be a list of strings.")
         check = get_bool(doc, "check_heart_beat", True)
         self.heartbeats[url] = Heartbeat(time.monotonic(), check, _queue_length(status))
-        worker, new = await self.fleet.add(url, source="registered", probe=False)
+        worker, new = await self.fleet.add(url, source=Source.REGISTERED, probe=False)
         if new and models:  # dispatchable by name at once; the probe then has the last word
             self.registry.set_models(worker, models)
         if worker.state in (WorkerState.JOINING, WorkerState.UNHEALTHY):
@@ -219,7 +220,12 @@ class Registration:
         return max(0.05, min(self.config.heartbeat_expiry / 4, 5.0))
 
     async def start(self) -> None:
-        self._expiry.start()
+        if self.config.enabled:
+            self._expiry.start()
+
+    def configure(self, config: GatewayConfig) -> list[str]:
+        """[registration] is read at start only (reload.RESTART_ONLY says so)."""
+        return []
 
     async def stop(self) -> None:
         await self._expiry.stop()

@@ -1,10 +1,16 @@
-"""Fleet operations: what an operator, a registering worker or the autoscaler may do to a worker.
+"""Fleet operations: the one owner of a worker's life, from joining to leaving.
 
 Add (and probe at once, so a healthy worker takes traffic within one probe round trip
 instead of the next probe period), drain (no new requests; in-flight ones finish), wait
-until idle, undrain (probe again before taking requests), remove. The admin API, the
-registration API, DNS discovery and the autoscaler all go through these, and these go
-through `WorkerRegistry` transitions, so each change is logged once, with its reason.
+until idle, undrain (probe again before taking requests), retire, remove. Every source of
+workers (the config file, registration, the admin API, DNS and Kubernetes discovery) and
+the autoscaler go through these, and these go through `WorkerRegistry` transitions, so
+each change is logged once, with its reason.
+
+`retire(worker, reason)` is "drain, then remove when its last request ends", written once:
+the removal is driven by lease release (`on_release`, a `Dispatcher.on_release` hook), not
+by polling, so a worker leaves the registry in the same turn of the loop as its last
+request. `wait_idle` is woken the same way.
 
 Every operation is idempotent: applying it twice (as a multi-process gateway does when it
 passes a control request to each of its processes) leaves the same state as once.
@@ -13,15 +19,13 @@ passes a control request to each of its processes) leaves the same state as once
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 from collections.abc import Iterable
 
+from vllm_gateway.dispatch.dispatcher import Lease
 from vllm_gateway.fleet.breaker import CircuitBreaker
 from vllm_gateway.fleet.health import Prober, ProbeResult
-from vllm_gateway.workers import Worker, WorkerRegistry, WorkerState
-
-# How often a wait for a draining worker to go idle looks at its in-flight count.
-IDLE_POLL_SECONDS = 0.02
+from vllm_gateway.workers import Source, Worker, WorkerRegistry, WorkerState
 
 
 class Fleet:
@@ -33,12 +37,16 @@ class Fleet:
         self.registry = registry
         self.prober = prober
         self.breaker = breaker
+        # Workers retired with requests in flight: URL -> the reason they leave with.
+        self.retiring: dict[str, str] = {}
+        # wait_idle callers, woken by the release that leaves the worker idle.
+        self._idle_waiters: dict[Worker, list[asyncio.Future[None]]] = {}
 
     async def add(
         self,
         url: str,
         *,
-        source: str,
+        source: Source,
         models: Iterable[str] = (),
         weight: float = 1.0,
         probe: bool = True,
@@ -63,25 +71,81 @@ class Fleet:
         """Let a draining worker take requests again once a probe passes. True if it changed.
 
         It goes back through joining, so a worker restarted while drained (a rollout in
-        place) is not sent requests before it answers its probe.
+        place) is not sent requests before it answers its probe. A retirement under way
+        is called off: the operator's word wins.
         """
+        self.retiring.pop(worker.url, None)
+        if not self._rejoin(worker, reason):
+            return False
+        await self.probe(worker)
+        return True
+
+    def retire(self, worker: Worker, reason: str) -> bool:
+        """Drain `worker`, and remove it when its last request ends. True if removed now.
+
+        Idempotent: retiring a retiring worker changes nothing. Requests in flight finish
+        untouched; the removal happens in `on_release`, at the end of the last one.
+        """
+        if self.registry.get(worker.url) is not worker:
+            return True  # already gone
+        if worker.inflight == 0:
+            self.remove(worker.url, reason)
+            return True
+        self.drain(worker, reason)
+        self.retiring.setdefault(worker.url, reason)
+        return False
+
+    def unretire(self, worker: Worker, reason: str) -> bool:
+        """Call off a retirement under way: back through joining, circuit reset. True if
+        the worker was retiring; the caller probes it (or leaves that to the next round)."""
+        if self.retiring.pop(worker.url, None) is None:
+            return False
+        return self._rejoin(worker, reason)
+
+    def _rejoin(self, worker: Worker, reason: str) -> bool:
         if worker.state is not WorkerState.DRAINING:
             return False
         self.registry.set_state(worker, WorkerState.JOINING, reason)
         if self.breaker is not None:
             self.breaker.reset(worker, reason)
-        await self.probe(worker)
         return True
+
+    def on_release(self, lease: Lease) -> None:
+        """`Dispatcher.on_release` hook: the end of a worker's last request removes it if
+        it is retiring, and wakes whoever waits for it to be idle. Constant work."""
+        worker = lease.worker
+        if worker.inflight:
+            return
+        waiters = self._idle_waiters.pop(worker, None)
+        for waiter in waiters or ():
+            if not waiter.done():
+                waiter.set_result(None)
+        if worker.url not in self.retiring or self.registry.get(worker.url) is not worker:
+            return
+        reason = self.retiring.pop(worker.url)
+        if worker.state is WorkerState.DRAINING:  # else an operator took it back: theirs now
+            self.remove(worker.url, reason)
 
     async def wait_idle(self, worker: Worker, timeout: float) -> bool:
         """Wait until no request of this process is in flight on `worker`; False on timeout."""
-        deadline = time.monotonic() + timeout
-        while worker.inflight > 0:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(IDLE_POLL_SECONDS)
-        return True
+        if worker.inflight == 0:
+            return True
+        waiter = asyncio.get_running_loop().create_future()
+        waiters = self._idle_waiters.setdefault(worker, [])
+        waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter
+        except TimeoutError:
+            pass
+        finally:
+            with contextlib.suppress(ValueError):
+                waiters.remove(waiter)
+            if not waiters and self._idle_waiters.get(worker) is waiters:
+                del self._idle_waiters[worker]
+        return worker.inflight == 0
 
     def remove(self, url: str, reason: str) -> Worker | None:
-        """Forget a worker; requests already relayed to it finish. None if unknown."""
+        """Forget a worker now; requests already relayed to it finish. None if unknown."""
+        self.retiring.pop(url, None)
         return self.registry.remove(url, reason)

@@ -4,14 +4,15 @@
     url = "http://vllm.default.svc.cluster.local:8000"   # a Kubernetes headless Service
 
 Every `discovery.interval` each name is resolved again. A new address becomes a worker
-(source "dns", probed at once); an address that is gone is drained, so its requests in
-flight finish (a terminating pod leaves the Service's DNS answer while it still serves), and
-removed once idle; one that comes back is undrained. A name that fails to resolve changes
+(source "dns", probed at once); an address that is gone is retired (`Fleet.retire`): drained,
+so its requests in flight finish (a terminating pod leaves the Service's DNS answer while it
+still serves), and removed when its last request ends; one that comes back before that is
+taken back. A name that fails to resolve changes
 nothing: a DNS hiccup must not empty the fleet. Several gateway replicas pointed at the
 same name need no shared state: each resolves it and reads the same workers' /metrics.
 
-A config reload gives the discovery its new names (`configure`); workers of names no
-longer listed are drained and removed the same way. Registered and admin-added workers are
+A config reload gives the discovery its new names (`configure`, the `WorkerSource` seam);
+workers of names no longer listed are retired the same way. Registered and admin-added workers are
 never touched, even at an address a name resolves to.
 """
 
@@ -23,21 +24,19 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable
 from urllib.parse import urlsplit
 
-from vllm_gateway.config.gateway import DiscoveryConfig, DnsName
+from vllm_gateway.config.gateway import DiscoveryConfig, DnsName, GatewayConfig
 from vllm_gateway.fleet.operations import Fleet
 from vllm_gateway.fleet.periodic import Periodic
 from vllm_gateway.log import get_logger
-from vllm_gateway.workers import WorkerState
+from vllm_gateway.workers import Source
 
 log = get_logger("vllm_gateway.discovery")
 
-SOURCE = "dns"
+SOURCE = Source.DNS
 # Resolves (host, family) to its addresses; injectable so tests can script answers.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 FAMILIES = {"any": socket.AF_UNSPEC, "ipv4": socket.AF_INET, "ipv6": socket.AF_INET6}
 RESOLVE_TIMEOUT_SECONDS = 5.0
-# Between two rounds, draining workers are looked at this often, so they leave soon after idle.
-RETIRING_LOOK_SECONDS = 1.0
 
 
 async def system_resolve(host: str, family: int) -> list[str]:
@@ -67,17 +66,23 @@ class DnsDiscovery:
         self.config = config
         self.resolve = resolve
         self.owned: dict[str, set[str]] = {}  # DNS name URL -> worker URLs it added
-        self.retiring: set[str] = set()  # gone from DNS, draining until idle
         self.failures = 0  # resolutions that failed (a name that stops resolving logs once)
         self._failing: set[str] = set()
-        self._next_round = 0.0  # loop.time() of the next resolution round
-        self._ticks = Periodic(
-            "dns-discovery", self._tick, self._pause, log, "DNS discovery round failed"
+        self._rounds = Periodic(
+            "dns-discovery",
+            self.refresh,
+            lambda: self.config.interval,
+            log,
+            "DNS discovery round failed",
         )
 
-    def configure(self, config: DiscoveryConfig) -> None:
+    def configure(self, config: GatewayConfig) -> list[str]:
         """Take the names of a reloaded config; the next round applies them."""
-        self.config = config
+        new = config.discovery
+        if (new.interval, new.dns) == (self.config.interval, self.config.dns):
+            return []
+        self.config = new
+        return ["discovery settings changed"]
 
     async def refresh(self) -> None:
         """One round: resolve every name, add the new addresses, retire the gone ones."""
@@ -91,7 +96,6 @@ class DnsDiscovery:
         for key in [k for k in self.owned if k not in names]:  # names no longer listed
             for url in self.owned.pop(key):
                 self._retire(url, f"{urlsplit(key).hostname} is no longer configured")
-        self._remove_idle()
 
     async def _resolve(self, name: DnsName) -> list[str] | None:
         host = urlsplit(name.url).hostname or ""
@@ -122,9 +126,8 @@ class DnsDiscovery:
             owned.add(url)
             if worker is None:
                 joining.append(self.fleet.add(url, source=SOURCE, models=name.models))
-            elif url in self.retiring:  # back before it was removed
-                self.retiring.discard(url)
-                joining.append(self.fleet.undrain(worker, f"back in {host}"))
+            elif self.fleet.unretire(worker, f"back in {host}"):  # back before it was removed
+                joining.append(self.fleet.probe(worker))
         await asyncio.gather(*joining)  # probed together: a new name may bring many
         for url in sorted(owned - urls):
             owned.discard(url)
@@ -136,19 +139,7 @@ class DnsDiscovery:
             return
         if any(url in urls for urls in self.owned.values()):
             return  # another name still resolves to it
-        self.retiring.add(url)
-        self.fleet.drain(worker, reason)
-
-    def _remove_idle(self) -> None:
-        for url in list(self.retiring):
-            worker = self.registry.get(url)
-            if worker is None:
-                self.retiring.discard(url)
-            elif worker.state is not WorkerState.DRAINING:
-                self.retiring.discard(url)  # undrained by an operator: theirs now
-            elif worker.inflight == 0:
-                self.retiring.discard(url)
-                self.fleet.remove(url, worker.state_reason)
+        self.fleet.retire(worker, reason)
 
     def workers(self) -> Iterable[str]:
         return sorted({u for urls in self.owned.values() for u in urls})
@@ -158,29 +149,7 @@ class DnsDiscovery:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(RESOLVE_TIMEOUT_SECONDS):
                     await self.refresh()  # serve with the names' workers known
-        self._next_round = _now() + self.config.interval
-        self._ticks.start()
+        self._rounds.start()
 
     async def stop(self) -> None:
-        await self._ticks.stop()
-
-    def _pause(self) -> float:
-        now = _now()
-        wake = self._next_round
-        if self.retiring:
-            wake = min(wake, now + RETIRING_LOOK_SECONDS)
-        return max(0.0, wake - now)
-
-    async def _tick(self) -> None:
-        """A resolution round when one is due; else a look at the draining workers."""
-        now = _now()
-        if now >= self._next_round:
-            self._next_round = now + self.config.interval
-            await self.refresh()
-        else:
-            self._remove_idle()
-
-
-def _now() -> float:
-    # The clock asyncio.sleep counts in (uvloop's is coarser than time.monotonic()).
-    return asyncio.get_running_loop().time()
+        await self._rounds.stop()
