@@ -123,69 +123,85 @@ _BAD = object()
 
 
 def _coerce(tp: Any, value: Any, where: str, errors: list[str]) -> Any:
+    """`value` as type `tp`, or _BAD with the mistake noted in `errors`."""
     if _is_section(tp):
         return build(tp, value, where + ".", errors)
     item = _tuple_item(tp)
     if item is not None:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, (list, tuple)):
-            errors.append(f"{where}: expected a list, got {value!r}")
-            return _BAD
-        out = []
-        for i, v in enumerate(value):
-            if _is_section(item) and isinstance(v, str):
-                v = {"url": v}  # a bare URL stands for a worker table
-            c = _coerce(item, v, f"{where}[{i}]", errors)
-            if c is not _BAD:
-                out.append(c)
-        return tuple(out)
+        return _coerce_list(item, value, where, errors)
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or value == "":
             return None
         return _coerce(args[0], value, where, errors)
     if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
-            return False
-        errors.append(f"{where}: expected true or false, got {value!r}")
-        return _BAD
+        return _coerce_bool(value, where, errors)
     if tp in (int, float):
-        if isinstance(value, bool):
-            errors.append(f"{where}: expected a number, got {value!r}")
-            return _BAD
-        try:
-            number = tp(value)
-        except (TypeError, ValueError):
-            errors.append(
-                f"{where}: expected {'an integer' if tp is int else 'a number'}, got {value!r}"
-            )
-            return _BAD
-        if tp is int and isinstance(value, float) and value != number:
-            errors.append(f"{where}: expected an integer, got {value!r}")
-            return _BAD
-        return number
+        return _coerce_number(tp, value, where, errors)
     if tp is str:
         if not isinstance(value, str):
             errors.append(f"{where}: expected a string, got {value!r}")
             return _BAD
         return value
     if typing.get_origin(tp) is dict:
-        if not isinstance(value, Mapping):
-            errors.append(f"{where}: expected a table, got {value!r}")
-            return _BAD
-        _, vt = typing.get_args(tp)
-        table: dict[str, Any] = {}
-        for k, v in value.items():
-            c = _coerce(vt, v, f"{where}.{k}", errors)
-            if c is not _BAD:
-                table[str(k)] = c
-        return table
+        return _coerce_table(typing.get_args(tp)[1], value, where, errors)
     return value
+
+
+def _coerce_list(item: Any, value: Any, where: str, errors: list[str]) -> Any:
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, (list, tuple)):
+        errors.append(f"{where}: expected a list, got {value!r}")
+        return _BAD
+    out = []
+    for i, v in enumerate(value):
+        if _is_section(item) and isinstance(v, str):
+            v = {"url": v}  # a bare URL stands for a worker table
+        c = _coerce(item, v, f"{where}[{i}]", errors)
+        if c is not _BAD:
+            out.append(c)
+    return tuple(out)
+
+
+def _coerce_bool(value: Any, where: str, errors: list[str]) -> Any:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+        return False
+    errors.append(f"{where}: expected true or false, got {value!r}")
+    return _BAD
+
+
+def _coerce_number(tp: type, value: Any, where: str, errors: list[str]) -> Any:
+    if isinstance(value, bool):
+        errors.append(f"{where}: expected a number, got {value!r}")
+        return _BAD
+    try:
+        number = tp(value)
+    except (TypeError, ValueError):
+        errors.append(
+            f"{where}: expected {'an integer' if tp is int else 'a number'}, got {value!r}"
+        )
+        return _BAD
+    if tp is int and isinstance(value, float) and value != number:
+        errors.append(f"{where}: expected an integer, got {value!r}")
+        return _BAD
+    return number
+
+
+def _coerce_table(value_type: Any, value: Any, where: str, errors: list[str]) -> Any:
+    if not isinstance(value, Mapping):
+        errors.append(f"{where}: expected a table, got {value!r}")
+        return _BAD
+    table: dict[str, Any] = {}
+    for k, v in value.items():
+        c = _coerce(value_type, v, f"{where}.{k}", errors)
+        if c is not _BAD:
+            table[str(k)] = c
+    return table
 
 
 def check_bounds(obj: Any, where: str, errors: list[str]) -> None:

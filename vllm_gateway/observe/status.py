@@ -14,7 +14,7 @@ import importlib.resources
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -102,9 +102,23 @@ class StatusViews:
 
     def snapshot(self) -> dict[str, object]:
         """Counters and gauges as they are now; rates are the reader's business."""
+        per_model: dict[str, _ModelTotals] = {}
+        workers = self._workers_and_models(per_model)
+        return {
+            "gateway": self._gateway_doc(),
+            "errors": [
+                {"status": status, "code": code, "count": n}
+                for (status, code), n in sorted(self.metrics.errors.items())
+            ],
+            "models": [{"model": m, **per_model[m].to_json()} for m in sorted(per_model)],
+            "workers": workers,
+            "admission_queue": self.dispatcher.admission.to_json(),
+        }
+
+    def _workers_and_models(self, per_model: dict[str, _ModelTotals]) -> list[dict[str, Any]]:
+        """Each worker's line, with the per-model totals added up into `per_model`."""
         now = time.monotonic()
         per_worker: dict[str, list[int]] = {}  # url -> [finished, failed]
-        per_model: dict[str, _ModelTotals] = {}
 
         def model_totals(model: str) -> _ModelTotals:
             totals = per_model.get(model)
@@ -138,28 +152,22 @@ class StatusViews:
                 totals.workers += 1
                 totals.ready += w.state is WorkerState.READY
                 totals.inflight += w.inflight_for(model)  # by the leases' model
+        return workers
+
+    def _gateway_doc(self) -> dict[str, object]:
         return {
-            "gateway": {
-                "version": __version__,
-                "pid": os.getpid(),
-                "time": time.time(),
-                "started": self.started,
-                "processes": 1,
-                "policy": self.config.policy,
-                "retries": self.dispatcher.retries,
-                "config_reloads": {
-                    "succeeded": self.reloads.succeeded,
-                    "failed": self.reloads.failed,
-                    "last_ok": self.reloads.last_ok,
-                },
+            "version": __version__,
+            "pid": os.getpid(),
+            "time": time.time(),
+            "started": self.started,
+            "processes": 1,
+            "policy": self.config.policy,
+            "retries": self.dispatcher.retries,
+            "config_reloads": {
+                "succeeded": self.reloads.succeeded,
+                "failed": self.reloads.failed,
+                "last_ok": self.reloads.last_ok,
             },
-            "errors": [
-                {"status": status, "code": code, "count": n}
-                for (status, code), n in sorted(self.metrics.errors.items())
-            ],
-            "models": [{"model": m, **per_model[m].to_json()} for m in sorted(per_model)],
-            "workers": workers,
-            "admission_queue": self.dispatcher.admission.to_json(),
         }
 
 
