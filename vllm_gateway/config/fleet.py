@@ -1,5 +1,5 @@
 """The fleet-control sections of the gateway's settings: the circuit breaker, the admin API,
-registration, autoscaling and DNS discovery (docs/fleet.md explains each).
+registration, autoscaling, DNS and Kubernetes discovery (docs/fleet.md explains each).
 
 Declared like every other section (config.py holds the rest, the whole `GatewayConfig` and
 its loading): once, with default, unit and help, so the loader, the validator and the
@@ -8,6 +8,7 @@ generated docs/configuration.md read the same declarations.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from vllm_gateway.config.settings import setting
@@ -212,8 +213,37 @@ class DnsName:
 
 
 @dataclass(frozen=True, slots=True)
+class KubernetesService:
+    """A Service whose ready endpoints are workers: a `[[discovery.kubernetes]]` table."""
+
+    service: str = setting(
+        "",
+        "Name of the Service: its EndpointSlices (label kubernetes.io/service-name) are "
+        "listed, then watched.",
+    )
+    namespace: str = setting(
+        "", "The Service's namespace. Empty: the gateway pod's own, else the context's."
+    )
+    port: str = setting(
+        "",
+        "Name of the Service port the workers serve on (e.g. http). Empty: the slices' only port.",
+    )
+    scheme: str = setting("http", "Scheme of the worker URLs.", choices=("http", "https"))
+    models: tuple[str, ...] = setting(
+        (), "Model names pinned for these workers. Empty: learned from their /v1/models."
+    )
+    kubeconfig: str = setting(
+        "",
+        "Path of a kubeconfig file (its current context: server, CA, token or client "
+        "certificate). Empty: the pod's service account (token and CA under "
+        "/var/run/secrets/kubernetes.io/serviceaccount).",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class DiscoveryConfig:
-    """Workers found in DNS, re-resolved on a period."""
+    """Workers found outside the gateway: DNS names re-resolved on a period, Kubernetes
+    Services' EndpointSlices watched."""
 
     interval: float = setting(
         10.0, "Time between two resolutions of each name.", unit="seconds", minimum=0.05
@@ -223,3 +253,27 @@ class DiscoveryConfig:
         "DNS names that resolve to workers: `[[discovery.dns]]` tables; URLs, "
         "comma-separated, in the environment.",
     )
+    kubernetes: tuple[KubernetesService, ...] = setting(
+        (),
+        "Kubernetes Services whose EndpointSlices list workers: `[[discovery.kubernetes]]` "
+        "tables (TOML only). A ready endpoint joins, a terminating one is drained at once, "
+        "a deleted one is removed when idle (docs/fleet.md).",
+    )
+
+
+# A DNS-1123 label: what a Service and a namespace are named.
+_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def check_discovery(config: DiscoveryConfig) -> list[str]:
+    """Mistakes in the [[discovery.kubernetes]] tables that their declarations cannot state."""
+    problems = []
+    for i, entry in enumerate(config.kubernetes):
+        where = f"discovery.kubernetes[{i}]"
+        if not _LABEL.fullmatch(entry.service):
+            problems.append(f"{where}.service: {entry.service!r} is not a Service name")
+        if entry.namespace and not _LABEL.fullmatch(entry.namespace):
+            problems.append(f"{where}.namespace: {entry.namespace!r} is not a namespace name")
+        if entry.port and not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?", entry.port):
+            problems.append(f"{where}.port: {entry.port!r} is not a port name")
+    return problems

@@ -21,6 +21,7 @@ from vllm_gateway.config.fleet import (  # noqa: F401 - re-exported, see above
     BreakerConfig,
     DiscoveryConfig,
     DnsName,
+    KubernetesService,
     RegistrationConfig,
     ScaleRule,
 )

@@ -15,6 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from vllm_gateway.config import settings
+from vllm_gateway.config.fleet import check_discovery
 from vllm_gateway.config.gateway import GatewayConfig
 from vllm_gateway.errors import ConfigError
 
@@ -89,6 +90,7 @@ def validate(config: GatewayConfig) -> list[str]:
             ipaddress.ip_network(net, strict=False)
         except ValueError:
             errors.append(f"registration.allowed_networks[{i}]: {net!r} is not a network (CIDR)")
+    errors.extend(check_discovery(config.discovery))
     return errors
 
 

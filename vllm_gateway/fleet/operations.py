@@ -74,8 +74,7 @@ class Fleet:
         place) is not sent requests before it answers its probe. A retirement under way
         is called off: the operator's word wins.
         """
-        self.retiring.pop(worker.url, None)
-        if not self._rejoin(worker, reason):
+        if not self.rejoin(worker, reason):
             return False
         await self.probe(worker)
         return True
@@ -98,11 +97,14 @@ class Fleet:
     def unretire(self, worker: Worker, reason: str) -> bool:
         """Call off a retirement under way: back through joining, circuit reset. True if
         the worker was retiring; the caller probes it (or leaves that to the next round)."""
-        if self.retiring.pop(worker.url, None) is None:
+        if worker.url not in self.retiring:
             return False
-        return self._rejoin(worker, reason)
+        return self.rejoin(worker, reason)
 
-    def _rejoin(self, worker: Worker, reason: str) -> bool:
+    def rejoin(self, worker: Worker, reason: str) -> bool:
+        """A draining worker back through joining (circuit reset, any retirement called
+        off). True if it was draining; the caller probes it."""
+        self.retiring.pop(worker.url, None)
         if worker.state is not WorkerState.DRAINING:
             return False
         self.registry.set_state(worker, WorkerState.JOINING, reason)
