@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 
 import pytest
-import yaml
 
 from tests.conftest import wait_until
 from tests.support.fake_kube import FakeKubeApi, endpoint
 from vllm_gateway.app import GATEWAY, REGISTRY, SOURCES
 from vllm_gateway.config.gateway import DiscoveryConfig, KubernetesService
-from vllm_gateway.config.load import load_config
-from vllm_gateway.errors import ConfigError
 from vllm_gateway.fleet.discovery import kube_api
-from vllm_gateway.fleet.discovery.kube_access import from_kubeconfig, in_cluster, read_yaml
 from vllm_gateway.fleet.discovery.kube_api import Timing
-from vllm_gateway.fleet.discovery.kubernetes import KubernetesDiscovery, slice_endpoints
+from vllm_gateway.fleet.discovery.kubernetes import KubernetesDiscovery
 from vllm_gateway.fleet.health import ProbeResult
 from vllm_gateway.fleet.operations import Fleet
 from vllm_gateway.process.reload import apply_config
@@ -194,31 +189,6 @@ async def test_410_relists_and_a_list_never_empties_the_fleet(api, watching, log
     await wait_until(lambda: registry.get("http://10.0.0.2:8000") is None)
 
 
-async def test_the_api_servers_answers_are_untrusted():
-    port = [{"name": "http", "port": 8000}]
-    assert slice_endpoints({"ports": port, "endpoints": "x"}, "http", "http") == {}
-    assert slice_endpoints({"ports": "x"}, "http", "http") == {}
-    junk = [
-        None,
-        {"addresses": "10.0.0.1"},
-        {"addresses": []},
-        {"addresses": ["not-an-ip"]},
-        {"addresses": ["169.254.0.1" * 10]},
-        {"addresses": [7]},
-        {"addresses": ["fd00::7"], "conditions": "x"},
-        {"addresses": ["10.0.0.8"], "conditions": {"ready": None, "terminating": False}},
-    ]
-    got = slice_endpoints({"ports": port, "endpoints": junk}, "http", "https")
-    assert got == {"https://[fd00::7]:8000": True, "https://10.0.0.8:8000": True}
-    for bad_port in (0, 70000, "8000", True, None):
-        doc = {"ports": [{"name": "http", "port": bad_port}], "endpoints": junk}
-        assert slice_endpoints(doc, "http", "http") == {}
-    # An unnamed single port serves an empty port name; a wrong name matches nothing.
-    doc = {"ports": [{"port": 9000}], "endpoints": [{"addresses": ["10.0.0.1"]}]}
-    assert slice_endpoints(doc, "", "http") == {"http://10.0.0.1:9000": True}
-    assert slice_endpoints(doc, "grpc", "http") == {}
-
-
 async def test_malformed_or_oversized_answers_keep_the_workers(api, watching, monkeypatch):
     monkeypatch.setattr(kube_api, "MAX_EVENT_BYTES", 4096)
     api.put_slice("s1", SERVICE, [endpoint("10.0.0.1")])
@@ -244,66 +214,6 @@ async def test_malformed_or_oversized_answers_keep_the_workers(api, watching, mo
     failures = watch.failures
     await wait_until(lambda: watch.failures >= failures + 2)
     assert urls(registry, WorkerState.READY) == ["http://10.0.0.1:8000"]
-
-
-def test_kubeconfig_and_service_account(tmp_path):
-    doc = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "current-context": "b",
-        "clusters": [
-            {"name": "a", "cluster": {"server": "https://a.example:6443"}},
-            {
-                "name": "b",
-                "cluster": {"server": "https://10.0.0.1:6443/", "insecure-skip-tls-verify": True},
-            },
-        ],
-        "contexts": [{"name": "b", "context": {"cluster": "b", "user": "u", "namespace": "ns"}}],
-        "users": [{"name": "u", "user": {"token": "tok: # not a comment"}}],
-        "preferences": {},
-    }
-    for indent in (2, 4):
-        text = yaml.safe_dump(doc, indent=indent)
-        assert read_yaml(text) == doc, text
-        (tmp_path / "config").write_text(text)
-        access = from_kubeconfig(str(tmp_path / "config"))
-        assert (access.server, access.namespace) == ("https://10.0.0.1:6443", "ns")
-        assert access.headers() == {"Authorization": "Bearer tok: # not a comment"}
-        assert access.insecure and access.ssl_context() is not None
-    (tmp_path / "bad").write_text("current-context: nowhere\n")
-    with pytest.raises(ConfigError, match="no context named"):
-        from_kubeconfig(str(tmp_path / "bad"))
-    with pytest.raises(ValueError):
-        read_yaml("a: &anchor x\n")
-
-    sa = tmp_path / "sa"
-    sa.mkdir()
-    with pytest.raises(ConfigError, match="not in a pod"):
-        in_cluster(env={}, root=str(sa))
-    (sa / "token").write_text("first\n")
-    (sa / "namespace").write_text("vllm")
-    access = in_cluster(env={"KUBERNETES_SERVICE_HOST": "fd00::1"}, root=str(sa))
-    assert (access.server, access.namespace) == ("https://[fd00::1]:443", "vllm")
-    assert access.ca_file == os.path.join(str(sa), "ca.crt")
-    (sa / "token").write_text("rotated\n")  # bound tokens rotate: read at every connection
-    assert access.headers() == {"Authorization": "Bearer rotated"}
-
-
-def test_config_section_is_declared_and_checked(tmp_path):
-    path = tmp_path / "gateway.toml"
-    path.write_text(
-        '[[discovery.kubernetes]]\nnamespace = "vllm"\nservice = "vllm-workers"\nport = "http"\n'
-    )
-    (entry,) = load_config(path, env={}).discovery.kubernetes
-    assert (entry.namespace, entry.service, entry.port, entry.scheme) == (
-        "vllm",
-        "vllm-workers",
-        "http",
-        "http",
-    )
-    path.write_text('[[discovery.kubernetes]]\nservice = "Not_A_Name"\nport = "h" \n')
-    with pytest.raises(ConfigError, match=r"discovery.kubernetes\[0\].service"):
-        load_config(path, env={})
 
 
 async def test_a_gateway_serves_the_services_endpoints(api, tmp_path, fake_worker, gateway, client):
