@@ -232,7 +232,9 @@ class WorkerRegistry:
         worker.state = state
         worker.state_reason = reason
         self._changed()
-        log.info("worker state", worker=worker.url, old=str(old), new=str(state), reason=reason)
+        # By meaning: losing capacity is a WARNING (what an operator alerts on), the rest INFO.
+        emit = log.warning if state is WorkerState.UNHEALTHY else log.info
+        emit("worker state", worker=worker.url, old=str(old), new=str(state), reason=reason)
         return True
 
     def set_circuit(self, worker: Worker, circuit: Circuit, reason: str) -> bool:
@@ -245,7 +247,8 @@ class WorkerRegistry:
             worker.breaker_openings += 1
         if circuit is not Circuit.OPEN:
             self._changed()  # it may take requests again
-        log.info("worker circuit", worker=worker.url, old=str(old), new=str(circuit), reason=reason)
+        emit = log.warning if circuit is Circuit.OPEN else log.info  # open: capacity lost
+        emit("worker circuit", worker=worker.url, old=str(old), new=str(circuit), reason=reason)
         return True
 
     def set_weight(self, worker: Worker, weight: float) -> bool:

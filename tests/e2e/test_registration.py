@@ -99,6 +99,9 @@ async def test_worker_that_stops_heartbeating_is_removed_after_the_expiry(
     assert registry.get(w2.url) is None
     [removed] = logs.records("worker removed")
     assert removed["worker"] == w2.url and "no heartbeat" in removed["reason"]
+    # Capacity lost without anyone asking: a WARNING an operator can alert on.
+    [expired] = logs.records("worker heartbeat expired")
+    assert expired["worker"] == w2.url and expired["level"] == "warning"
     assert gw.app[REGISTRATION].expired == 1
     assert gw.app[REGISTRATION].heartbeats[w1.url].queue_length == 3
 

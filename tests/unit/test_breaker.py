@@ -141,6 +141,29 @@ async def test_transitions_are_logged_once(logs):
     records = logs.records("worker circuit")
     assert len(records) == 1, records
     assert records[0]["new"] == "open" and "2 failed requests in a row" in records[0]["reason"]
+    assert records[0]["level"] == "warning"  # capacity lost: what an operator alerts on
+    breaker.stop()
+
+
+async def test_log_levels_follow_meaning_losing_capacity_warns_recovery_informs(logs):
+    registry, worker, _, breaker = setup()
+    registry.set_state(worker, WorkerState.UNHEALTHY, "probe failed")
+    registry.set_state(worker, WorkerState.READY, "probe passed")
+    registry.set_circuit(worker, Circuit.OPEN, "failures")
+    registry.set_circuit(worker, Circuit.HALF_OPEN, "open time passed")
+    registry.set_circuit(worker, Circuit.CLOSED, "trial passed")
+    seen = [
+        (r["event"], r["new"], r["level"])
+        for r in logs.records()
+        if r["event"] in ("worker state", "worker circuit")
+    ]
+    assert seen == [
+        ("worker state", "unhealthy", "warning"),
+        ("worker state", "ready", "info"),
+        ("worker circuit", "open", "warning"),
+        ("worker circuit", "half_open", "info"),
+        ("worker circuit", "closed", "info"),
+    ]
     breaker.stop()
 
 

@@ -209,6 +209,8 @@ class Registration:
                 del self.heartbeats[url]
             elif beat.check and now - beat.at > limit:
                 del self.heartbeats[url]
+                # Capacity lost without anyone asking: a WARNING, unlike a removal on request.
+                log.warning("worker heartbeat expired", worker=url, expiry_seconds=limit)
                 self.fleet.remove(url, f"no heartbeat for {limit:g} s")
                 self.expired += 1
                 removed.append(url)
