@@ -123,6 +123,13 @@ GATEWAY = web.AppKey("gateway", Gateway)
 
 def check_app_config(config: GatewayConfig) -> None:
     """Checks that need more than config.py knows (policy names); raise ConfigError."""
+    if problems := app_config_problems(config):
+        raise ConfigError(problems)
+
+
+def app_config_problems(config: GatewayConfig) -> list[str]:
+    """The mistakes only the layers above config/ can see (policy names, aliases, scale
+    rules); `load_config(checks=...)` runs them in the same pass as its own."""
     problems = []
     if problem := check_policy_name(config.policy):
         problems.append(f"policy: {problem}")
@@ -133,8 +140,7 @@ def check_app_config(config: GatewayConfig) -> None:
         if problem := check_alias(name, targets):
             problems.append(f"aliases.{name}: {problem}")
     problems.extend(check_scale_rules(config))
-    if problems:
-        raise ConfigError(problems)
+    return problems
 
 
 def policies_for(config: GatewayConfig, rng: random.Random) -> tuple[Policy, dict[str, Policy]]:

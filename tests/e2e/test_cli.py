@@ -55,6 +55,57 @@ def test_check_config_reports_each_mistake(tmp_path):
     assert 'url = "http://10.0.0.5:8000"' in result.output
 
 
+def test_check_config_lists_every_mistake_in_one_pass(tmp_path):
+    # Five mistakes of five kinds: a bad value, an unknown key, a misspelled key in a
+    # section, an unknown policy (checked above config/) and a worker URL without a scheme.
+    path = tmp_path / "five.toml"
+    path.write_text(
+        'port = 99999\ncolour = "blue"\npolicy = "fastest"\n'
+        '[timeouts]\nconect = 2\n[[workers]]\nurl = "127.0.0.1:8001"\n'
+    )
+    result = CliRunner().invoke(main, ["check-config", "--config", str(path)], env={})
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.startswith("  - ")]
+    assert len(lines) == 5, result.output
+    for expected in (
+        "port: must be at most",
+        "colour: unknown setting",
+        "timeouts.conect: unknown setting",
+        "policy: unknown policy 'fastest'",
+        "workers[0].url: '127.0.0.1:8001' has no scheme: add http:// (http://127.0.0.1:8001)",
+    ):
+        assert any(expected in line for line in lines), (expected, result.output)
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("localhost:8000", "has no scheme: add http:// (http://localhost:8000)"),
+        ("http://10.0.0.5:8000/vllm", "has a path (/vllm)"),
+        ("http://10.0.0.5:8000/v1/chat/completions", "e.g. http://10.0.0.5:8000"),
+        ("ftp://10.0.0.5", "must start with http:// or https://"),
+    ],
+)
+def test_a_bad_worker_url_is_refused_where_it_enters_with_what_is_wrong(url, problem):
+    runner = CliRunner()
+    for args, env in (
+        (["check-config"], {"VLLM_GATEWAY_WORKERS": url}),  # environment
+        (["serve", "--worker", url], {}),  # flag (refused before anything starts)
+    ):
+        result = runner.invoke(main, args, env=env)
+        assert result.exit_code == 1 and problem in result.output, (args, result.output)
+
+
+def test_a_trailing_v1_is_dropped_with_a_warning(tmp_path):
+    path = tmp_path / "v1.toml"
+    path.write_text('[[workers]]\nurl = "http://10.0.0.5:8000/v1/"\n')
+    result = CliRunner().invoke(main, ["check-config", "--config", str(path)], env={})
+    assert result.exit_code == 0, result.output
+    assert "warning: workers[0].url: 'http://10.0.0.5:8000/v1/': the trailing /v1 was dropped" in (
+        result.stderr
+    )
+
+
 def test_configuration_reference_is_current():
     with open(DOCS) as f:
         assert f.read() == render_reference(), (

@@ -140,7 +140,7 @@ def register(
     from vllm_gateway.config.load import check_worker_url, normalize_url
 
     for url in (*gateways, worker):
-        if problem := check_worker_url(normalize_url(url)):
+        if problem := check_worker_url(url):
             raise click.BadParameter(problem)
     settings = AgentSettings(
         gateways=tuple(normalize_url(g) for g in gateways),

@@ -35,14 +35,12 @@ def main() -> None:
 
 
 def _load(config_path: str | None, overrides: dict[str, Any]) -> GatewayConfig:
-    from vllm_gateway.app import check_app_config
+    from vllm_gateway.app import app_config_problems
 
     try:
-        config = load_config(config_path, overrides=overrides)
-        check_app_config(config)
+        return load_config(config_path, overrides=overrides, checks=app_config_problems)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
-    return config
 
 
 @main.command(context_settings=CONTEXT)
@@ -130,7 +128,13 @@ def serve(
     from vllm_gateway.process.supervisor import serve as serve_config
 
     # SIGHUP reloads from the same sources: the file, the environment, these options.
-    sys.exit(serve_config(config, lambda: load_config(config_path, overrides=overrides)))
+    sys.exit(serve_config(config, lambda: _reload(config_path, overrides)))
+
+
+def _reload(config_path: str | None, overrides: dict[str, Any]) -> GatewayConfig:
+    from vllm_gateway.app import app_config_problems
+
+    return load_config(config_path, overrides=overrides, checks=app_config_problems)
 
 
 @main.command("check-config", context_settings=CONTEXT)
@@ -145,9 +149,12 @@ def check_config(config_path: str | None) -> None:
 
     Exits 1 with one line per mistake when it is invalid, like `nginx -t`.
     """
-    from vllm_gateway.config.load import effective_toml
+    from vllm_gateway.config.load import effective_toml, worker_url_note
 
     config = _load(config_path, {})
+    for i, spec in enumerate(config.workers):
+        if note := worker_url_note(spec.url):
+            click.echo(f"warning: workers[{i}].url: {note}", err=True)
     click.echo(effective_toml(config), nl=False)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,11 +26,15 @@ def load_config(
     path: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
+    checks: Callable[[GatewayConfig], list[str]] | None = None,
 ) -> GatewayConfig:
     """Build and validate the configuration; raise `ConfigError` listing every mistake.
 
     `overrides` is a nested mapping like the TOML file's (e.g. {"log": {"format": "json"}});
-    keys whose value is None are ignored, so click options can default to None.
+    keys whose value is None are ignored, so click options can default to None. `checks`
+    adds the checks layers above know (policy names, aliases: app.app_config_problems).
+    Every check runs in one pass, a value that could not be read standing at its default,
+    so a file with five mistakes is told all five at once.
     """
     errors: list[str] = []
     env = os.environ if env is None else env
@@ -48,8 +52,9 @@ def load_config(
     settings.merge(raw, settings.from_env(GatewayConfig, env, ENV_PREFIX, errors))
     settings.merge(raw, settings.drop_none(overrides or {}))
     config = settings.build(GatewayConfig, raw, "", errors)
-    if not errors:
-        errors.extend(validate(config))
+    errors.extend(validate(config))
+    if checks is not None:
+        errors.extend(checks(config))
     if errors:
         raise ConfigError(errors)
     return config
@@ -73,6 +78,9 @@ def validate(config: GatewayConfig) -> list[str]:
             problem = check_model_name(model)
             if problem:
                 errors.append(f"{where}.models: {problem}")
+    for i, name in enumerate(config.discovery.dns):
+        if problem := check_worker_url(name.url):
+            errors.append(f"discovery.dns[{i}].url: {problem}")
     for key in ("running_metrics", "waiting_metrics"):
         if not getattr(config.scrape, key):
             errors.append(f"scrape.{key}: name at least one metric")
@@ -95,14 +103,38 @@ def validate(config: GatewayConfig) -> list[str]:
 
 
 def normalize_url(url: str) -> str:
-    """The one spelling of a worker URL used as its identity: no trailing slash."""
-    return url.strip().rstrip("/")
+    """The one spelling of a worker URL used as its identity: no trailing slash, and no
+    trailing `/v1` (see `worker_url_note`)."""
+    url = url.strip().rstrip("/")
+    if urlsplit(url).path == "/v1":
+        url = url[: -len("/v1")]
+    return url
+
+
+def worker_url_note(url: str) -> str | None:
+    """Why `url` was respelled by `normalize_url`, for a warning; None when it was not.
+
+    A trailing `/v1` is dropped rather than refused: it is an OpenAI base URL copied as is,
+    and has one reading only (vLLM serves its OpenAI API under /v1 at its root, and the
+    gateway needs that root for /health, /metrics and /v1/models). Kept, every request
+    would be a 404 "no worker serves the model" with the cause nowhere in sight.
+    """
+    if urlsplit(url.strip().rstrip("/")).path == "/v1":
+        return (
+            f"{url.strip()!r}: the trailing /v1 was dropped; a worker URL is the vLLM server's "
+            f"base ({normalize_url(url)}), the gateway adds /v1/... itself"
+        )
+    return None
 
 
 def check_worker_url(url: str) -> str | None:
-    """Return why `url` is not a usable worker base URL, or None when it is."""
+    """Return why `url` is not a usable worker base URL, or None when it is (a trailing
+    `/v1` is usable: `normalize_url` drops it)."""
+    url = url.strip()
     if not url:
         return "is empty"
+    if "://" not in url:
+        return f"{url!r} has no scheme: add http:// (http://{url})"
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https"):
         return f"{url!r} must start with http:// or https://"
@@ -114,6 +146,13 @@ def check_worker_url(url: str) -> str | None:
         return f"{url!r} has an invalid port"
     if parts.query or parts.fragment:
         return f"{url!r} must be a base URL without query or fragment"
+    if parts.path.rstrip("/") not in ("", "/v1"):
+        # The relay sends the client's path to the worker's host and port: a path prefix
+        # here would be dropped silently, so a worker behind one cannot be served.
+        return (
+            f"{url!r} has a path ({parts.path}); give the vLLM server's base URL, "
+            f"e.g. {parts.scheme}://{parts.netloc}: the gateway adds /v1/... itself"
+        )
     return None
 
 

@@ -12,8 +12,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from vllm_gateway.config.load import check_worker_url, normalize_url
+from vllm_gateway.config.load import check_worker_url, normalize_url, worker_url_note
 from vllm_gateway.errors import BadRequest
+from vllm_gateway.log import get_logger
+
+log = get_logger("vllm_gateway.control")
 
 # Control bodies are a few hundred bytes; refuse anything that is not.
 MAX_CONTROL_BODY_BYTES = 64 * 1024
@@ -52,12 +55,14 @@ def get_str(doc: dict[str, Any], key: str, default: str | None = None) -> str:
 
 
 def get_url(doc: dict[str, Any], key: str = "url") -> str:
-    """A worker base URL, normalized (the registry's key)."""
-    url = normalize_url(get_str(doc, key))
-    problem = check_worker_url(url)
+    """A worker base URL, normalized (the registry's key); a respelling is logged."""
+    given = get_str(doc, key)
+    problem = check_worker_url(given)
     if problem:
         raise BadRequest(f"`{key}`: {problem}.", param=key)
-    return url
+    if note := worker_url_note(given):
+        log.warning("worker URL normalized", field=key, problem=note)
+    return normalize_url(given)
 
 
 def get_bool(doc: dict[str, Any], key: str, default: bool) -> bool:

@@ -22,9 +22,12 @@ from __future__ import annotations
 from typing import Protocol
 
 from vllm_gateway.config.gateway import GatewayConfig, WorkerSpec
-from vllm_gateway.config.load import normalize_url
+from vllm_gateway.config.load import normalize_url, worker_url_note
 from vllm_gateway.fleet.operations import Fleet
+from vllm_gateway.log import get_logger
 from vllm_gateway.workers import Source
+
+log = get_logger("vllm_gateway.fleet")
 
 # Why a reload takes a static worker out (also the reason its removal is logged with).
 DROPPED = "removed from the configuration"
@@ -53,6 +56,8 @@ class StaticWorkers:
     def __init__(self, fleet: Fleet, config: GatewayConfig) -> None:
         self.fleet = fleet
         for spec in config.workers:
+            if note := worker_url_note(spec.url):  # a copied OpenAI base URL: say so
+                log.warning("worker URL normalized", problem=note)
             fleet.registry.add(normalize_url(spec.url), models=spec.models, weight=spec.weight)
 
     async def start(self) -> None:
