@@ -116,13 +116,16 @@ class WorkerNotFound(GatewayError):
 
 
 class RouteNotFound(GatewayError):
+    """404: no such path; 405: a known path, another method (`allow` lists the methods)."""
+
     status = 404
     type = "invalid_request_error"
     code = "unknown_url"
 
-    def __init__(self, message: str, status: int = 404) -> None:
+    def __init__(self, message: str, status: int = 404, allow: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.allow = allow
 
 
 class QueueFull(GatewayError):
@@ -209,6 +212,8 @@ def error_parts(
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
     if request_id:
         headers["X-Request-Id"] = request_id
+    if isinstance(exc, RouteNotFound) and exc.allow is not None:
+        headers["Allow"] = exc.allow  # RFC 9110 15.5.6: a 405 says what is allowed
     return exc.status, headers, error_body(exc.message, exc.type, exc.code, exc.param)
 
 

@@ -2,6 +2,7 @@
 
     POST /v1/{anything} (and vLLM's root-level model endpoints)  -> relay to a worker
     GET  /v1/models                -> union of the ready workers' models, OpenAI list format
+    GET  /v1/models/{id}           -> one of them, as OpenAI's model object (404 otherwise)
     GET  /health                   -> 200 with a summary when a worker is ready, else 503
     GET  /list_workers             -> every worker: url, models, state, in-flight, reported load
     GET|POST /list_models          -> {"models": [...]}, as FastChat's controller answers
@@ -33,6 +34,7 @@ from vllm_gateway.errors import (
     BodyTooLarge,
     ExpectationFailed,
     GatewayError,
+    ModelNotFound,
     RequestTimeout,
     RouteNotFound,
     UpstreamError,
@@ -126,8 +128,15 @@ async def error_middleware(
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        if e.status in (404, 405):
-            err = RouteNotFound(f"{request.method} {request.path} is not served here.", e.status)
+        if e.status == 405:
+            allow = e.headers.get("Allow", "")
+            err = RouteNotFound(
+                f"{request.method} {request.path} is not served here; it answers {allow}.",
+                405,
+                allow=allow,
+            )
+        elif e.status == 404:
+            err = RouteNotFound(f"{request.method} {request.path} is not served here.")
         else:
             err = GatewayError(e.reason)
             err.status = e.status
@@ -165,6 +174,7 @@ class Routes:
         get = partial(r.add_get, expect_handler=expect_continue)
         post = partial(r.add_post, expect_handler=expect_continue)
         get("/v1/models", self.models)
+        get("/v1/models/{model:.+}", self.model)  # ids may hold `/`: meta-llama/Llama-3-8B
         get("/health", self.health)
         get("/list_workers", self.list_workers)
         get("/list_models", self.list_models)
@@ -240,12 +250,24 @@ class Routes:
 
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models: the union of the ready workers' models."""
-        created = int(self.started)
-        data = [
-            {"id": m, "object": "model", "created": created, "owned_by": "vllm-gateway"}
-            for m in self._ready_models()
-        ]
+        data = [self._model_object(m) for m in self._ready_models()]
         return json_response({"object": "list", "data": data})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: one model of the list, as OpenAI answers it (the SDK's
+        `models.retrieve`); 404 `model_not_found` for one the list does not hold."""
+        model = request.match_info["model"]
+        if model not in self._ready_models():
+            raise ModelNotFound(f"The model `{model[:200]}` does not exist.", param="model")
+        return json_response(self._model_object(model))
+
+    def _model_object(self, model: str) -> dict[str, object]:
+        return {
+            "id": model,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "vllm-gateway",
+        }
 
     async def list_models(self, request: web.Request) -> web.Response:
         """GET/POST /list_models, FastChat's controller shape."""
