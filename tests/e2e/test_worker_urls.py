@@ -41,7 +41,9 @@ async def test_registration_and_admin_respell_v1_and_refuse_what_cannot_work(
         gw.url + "/register_worker", json={"worker_name": w1.url + "/v1", "check_heart_beat": False}
     ) as r:
         assert r.status == 200, await r.text()
-    async with http.post(gw.url + "/admin/workers/add", json={"url": w2.url + "/v1"}, headers=auth) as r:
+    async with http.post(
+        gw.url + "/admin/workers/add", json={"url": w2.url + "/v1"}, headers=auth
+    ) as r:
         assert r.status == 200, await r.text()
         assert (await r.json())["worker"]["url"] == w2.url
     assert sorted(x.url for x in gw.app[REGISTRY]) == sorted([w1.url, w2.url])
