@@ -37,9 +37,16 @@ from vllm_gateway.fleet.health import Prober
 from vllm_gateway.fleet.operations import Fleet
 from vllm_gateway.fleet.scrape import MetricNames, Scraper
 from vllm_gateway.fleet.sources import StaticWorkers, WorkerSource
+from vllm_gateway.http.cors import Cors
 from vllm_gateway.http.front import FRONT, Front
 from vllm_gateway.http.keys import ClientKeys
-from vllm_gateway.http.routes import ERROR_HOOKS, ErrorHook, Routes, error_middleware
+from vllm_gateway.http.routes import (
+    ERROR_HOOKS,
+    ErrorHook,
+    Routes,
+    cors_preflight,
+    error_middleware,
+)
 from vllm_gateway.log import get_logger
 from vllm_gateway.observe.access_log import AccessLog
 from vllm_gateway.observe.status import StatusViews
@@ -169,7 +176,7 @@ def create_app(
     """
     check_app_config(config)
     g = build_gateway(config, rng or random.Random(), process_count, process_index)
-    middlewares = [error_middleware, g.keys.middleware]
+    middlewares = [error_middleware, cors_preflight(g.routes.cors), g.keys.middleware]
     siblings = None
     if process_count > 1:
         assert control_dir is not None, "several processes need a control_dir"
@@ -231,6 +238,7 @@ def build_gateway(
         config.max_body_bytes,
         aliases,
         body_timeout=config.client.body_timeout,
+        cors=Cors(config.cors),
     )
     admission = admission_view(dispatcher.admission)
     autoscaler = Autoscaler(

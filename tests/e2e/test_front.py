@@ -312,11 +312,12 @@ async def test_shutdown_closes_idle_connections_and_lets_answers_finish(fake_wor
 
 def test_the_front_path_mirrors_every_middleware_of_the_relay_routes():
     """Front.handle does what these middlewares do for a relay request (errors, client
-    keys; the siblings' fan-out skips relay paths). A new middleware must be added there
-    too, or relay requests on the front path would skip it."""
+    keys; the siblings' fan-out skips relay paths; CORS preflights are OPTIONS, never the
+    front path's, whose answer heads carry the CORS headers themselves). A new middleware
+    must be added there too, or relay requests on the front path would skip it."""
     app = create_app(GatewayConfig())
     names = [getattr(m, "__name__", repr(m)) for m in app.middlewares]
-    assert names == ["error_middleware", "middleware"], names
+    assert names == ["error_middleware", "answer_preflight", "middleware"], names
     assert FrontConnection.method == "POST"
 
 

@@ -1,5 +1,6 @@
 """The OpenAI surface clients expect beyond the relay: the model object, 404 and 405 as
-HTTP says them, through the official `openai` SDK where a client would see it."""
+HTTP says them, CORS for browser pages, through the official `openai` SDK where a client
+would see it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 
 from tests.conftest import wait_until
 from vllm_gateway.app import REGISTRY
+from vllm_gateway.config.gateway import ApiKeyConfig, AuthConfig, ClientConfig, CorsConfig
+from vllm_gateway.http.keys import hash_key
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -58,3 +61,75 @@ async def test_unknown_paths_are_404_and_a_wrong_method_405_with_allow(gateway, 
             assert allowed in r.headers["Allow"].split(",")
             error = (await r.json())["error"]
         assert error["code"] == "unknown_url" and r.headers["Allow"] in error["message"]
+
+
+# --- CORS ---------------------------------------------------------------------------------
+
+PAGE = "https://chat.page.example"
+
+
+async def test_a_browser_preflight_is_answered_by_the_gateway_even_with_client_keys(
+    fake_worker, gateway, http
+):
+    w = await fake_worker(models="m")
+    gw = await gateway([w], auth=AuthConfig(keys={"a": ApiKeyConfig(sha256=hash_key("k1"))}))
+    # What Chromium sends before a fetch() with a JSON body and an Authorization header.
+    preflight = {
+        "Origin": PAGE,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    for path in ("/v1/chat/completions", "/v1/models", "/anything/at/all"):
+        async with http.options(gw.url + path, headers=preflight) as r:
+            assert r.status == 204, (path, await r.text())
+            assert r.headers["Access-Control-Allow-Origin"] == "*"
+            assert "POST" in r.headers["Access-Control-Allow-Methods"]
+            assert r.headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+    # Answered by the gateway, not relayed (the worker saw only probes).
+    assert all(r.method == "GET" for r in w.stats.requests)
+
+
+@pytest.mark.parametrize("front_path", [True, False], ids=["front-path", "aiohttp-path"])
+async def test_answers_carry_cors_headers_relayed_streamed_and_errors(
+    fake_worker, gateway, client, front_path
+):
+    w = await fake_worker(models="m")
+    gw = await gateway([w], client=ClientConfig(front_path=front_path))
+    await wait_until(lambda: bool(gw.app[REGISTRY].ready_models()))
+    sdk = client(gw, default_headers={"Origin": PAGE})
+    relayed = await sdk.completions.with_raw_response.create(model="m", prompt="x", max_tokens=2)
+    assert relayed.headers["access-control-allow-origin"] == "*"
+    assert relayed.parse().choices[0].text == " w0 w1"
+    async with sdk.chat.completions.with_streaming_response.create(
+        model="m", stream=True, messages=[{"role": "user", "content": "hi"}]
+    ) as streamed:
+        assert streamed.headers["access-control-allow-origin"] == "*"
+        assert [c async for c in await streamed.parse()]
+    listed = await sdk.models.with_raw_response.list()
+    assert listed.headers["access-control-allow-origin"] == "*"
+    with pytest.raises(openai.NotFoundError) as caught:
+        await sdk.completions.create(model="nope", prompt="x")
+    assert caught.value.response.headers["access-control-allow-origin"] == "*"
+    # The worker never sees the Origin: the gateway answers CORS, once.
+    assert all("origin" not in r.headers for r in w.stats.requests)
+    plain = await client(gw).completions.with_raw_response.create(model="m", prompt="x")
+    assert "access-control-allow-origin" not in plain.headers  # no Origin, no CORS
+
+
+async def test_named_origins_are_echoed_and_others_refused(fake_worker, gateway, client, http):
+    w = await fake_worker(models="m")
+    gw = await gateway([w], cors=CorsConfig(allowed_origins=(PAGE,), allow_credentials=True))
+    await wait_until(lambda: bool(gw.app[REGISTRY].ready_models()))
+    ok = await client(gw, default_headers={"Origin": PAGE}).completions.with_raw_response.create(
+        model="m", prompt="x"
+    )
+    assert ok.headers["access-control-allow-origin"] == PAGE
+    assert ok.headers["access-control-allow-credentials"] == "true"
+    assert "Origin" in ok.headers.get_list("vary")
+    other = client(gw, default_headers={"Origin": "https://evil.example"})
+    answer = await other.completions.with_raw_response.create(model="m", prompt="x")
+    assert "access-control-allow-origin" not in answer.headers
+    preflight = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+    async with http.options(gw.url + "/v1/completions", headers=preflight) as r:
+        assert r.status == 400
+        assert "origin 'https://evil.example'" in (await r.json())["error"]["message"]

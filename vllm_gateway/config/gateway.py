@@ -46,6 +46,31 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class CorsConfig:
+    """Cross-origin requests from browser pages, named and defaulted as vLLM's flags
+    (`--allowed-origins` ...) and answered as its server answers them (http/cors.py)."""
+
+    allowed_origins: tuple[str, ...] = setting(
+        ("*",),
+        "Origins (scheme://host[:port]) whose pages may call the gateway; `*`: any. "
+        "Empty: none (answers carry no Access-Control-Allow-Origin).",
+    )
+    allowed_methods: tuple[str, ...] = setting(
+        ("*",), "Methods a preflight allows; `*`: DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT."
+    )
+    allowed_headers: tuple[str, ...] = setting(
+        ("*",),
+        "Request headers a preflight allows besides the CORS-safelisted ones; `*`: any "
+        "(Authorization included).",
+    )
+    allow_credentials: bool = setting(
+        False,
+        "Let pages send cookies and HTTP credentials: answers then name the origin "
+        "instead of `*` and say Access-Control-Allow-Credentials: true.",
+    )
+
+
+@dataclass(frozen=True, slots=True)
 class LogConfig:
     """Structured logging."""
 
@@ -365,6 +390,7 @@ class GatewayConfig:
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
+    cors: CorsConfig = field(default_factory=CorsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     scrape: ScrapeConfig = field(default_factory=ScrapeConfig)

@@ -55,6 +55,7 @@ from aiohttp.tcp_helpers import tcp_keepalive
 
 from vllm_gateway.config.gateway import ClientConfig
 from vllm_gateway.errors import GatewayError
+from vllm_gateway.http.cors import Cors
 from vllm_gateway.http.front_exchange import DateHeader
 from vllm_gateway.http.front_reader import RequestReader
 from vllm_gateway.http.keys import ClientKeys
@@ -89,6 +90,7 @@ class Front:
         self.served = 0
         self.handed_off = 0
         self.date = DateHeader()
+        self.cors: Cors | None = routes.cors  # the CORS headers of each answer head
 
     def connection(self, server: ClientServer) -> FrontConnection:
         """A protocol for a new client connection (the listening socket's factory)."""

@@ -211,6 +211,8 @@ class FrontExchange(asyncio.Protocol):
                 ctype = True
         if self.request_id:
             parts.append(b"X-Request-Id: %s\r\n" % self.request_id.encode())
+        if (cors := self.front.cors) is not None:
+            parts.append(cors.answer_lines(self.raw_headers))  # b"" without an Origin
         if chunked:
             parts.append(b"Transfer-Encoding: chunked\r\n")
         elif length is not None:

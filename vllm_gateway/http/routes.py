@@ -26,11 +26,14 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
+from vllm_gateway.config.gateway import CorsConfig
 from vllm_gateway.dispatch.aliases import AliasTable
 from vllm_gateway.dispatch.dispatcher import Dispatcher, outcome_of
 from vllm_gateway.dispatch.request_info import parse_request
 from vllm_gateway.errors import (
+    BadRequest,
     BodyTooLarge,
     ExpectationFailed,
     GatewayError,
@@ -40,6 +43,7 @@ from vllm_gateway.errors import (
     UpstreamError,
     error_response,
 )
+from vllm_gateway.http.cors import Cors
 from vllm_gateway.log import bind_request, clear_request, get_logger
 from vllm_gateway.proxy.exchange import REQUEST_ID, AiohttpExchange, Exchange
 from vllm_gateway.proxy.relay import Relay
@@ -146,6 +150,40 @@ async def error_middleware(
     return error_response(err, request_id)
 
 
+def cors_headers(cors: Cors) -> Callable[[web.BaseRequest, web.StreamResponse], Awaitable[None]]:
+    """CORS on aiohttp's side (http/cors.py), as an `on_response_prepare` signal: every
+    answer to a request with an Origin gets the headers (relayed ones, error answers and
+    the admin sub-app's alike), whenever its head is written."""
+
+    async def add_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is not None and "Access-Control-Allow-Origin" not in response.headers:
+            for name, value in cors.answer_headers(origin, "Cookie" in request.headers):
+                response.headers.add(name, value)
+
+    return add_headers
+
+
+def cors_preflight(cors: Cors) -> Middleware:
+    """The middleware answering CORS preflights on any path; it goes before client keys (a
+    browser's preflight carries no credentials)."""
+
+    @web.middleware
+    async def answer_preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        asked = request.headers.get("Access-Control-Request-Method")
+        if request.method != "OPTIONS" or origin is None or asked is None:
+            return await handler(request)
+        headers, refused = cors.preflight(
+            origin, asked, request.headers.get("Access-Control-Request-Headers")
+        )
+        if refused:
+            raise BadRequest(f"CORS preflight refused: {', '.join(refused)} not allowed ([cors]).")
+        return web.Response(status=204, headers=headers)
+
+    return answer_preflight
+
+
 class Routes:
     """The request handlers, bound to the objects `create_app` built."""
 
@@ -157,6 +195,7 @@ class Routes:
         max_body_bytes: int,
         aliases: AliasTable | None = None,
         body_timeout: float = 60.0,
+        cors: Cors | None = None,
     ) -> None:
         self.registry = registry
         self.dispatcher = dispatcher
@@ -164,12 +203,14 @@ class Routes:
         self.max_body_bytes = max_body_bytes
         self.aliases = aliases or AliasTable(registry)
         self.body_timeout = body_timeout  # seconds to receive a whole request body
+        self.cors = cors or Cors(CorsConfig())  # the [cors] rules: both serving paths follow
         self.started = time.time()
         self.request_ids = RequestIds()
         # The relay requests being handled now (their tasks): shutdown waits for them.
         self.active: set[asyncio.Task[Any]] = set()
 
     def add_to(self, app: web.Application) -> None:
+        app.on_response_prepare.append(cors_headers(self.cors))  # preflights: cors_preflight
         r = app.router
         get = partial(r.add_get, expect_handler=expect_continue)
         post = partial(r.add_post, expect_handler=expect_continue)

@@ -30,6 +30,7 @@ RESTART_ONLY = (
     "client.max_header_bytes",
     "client.max_headers",
     "client.front_path",
+    "cors",
     "auth.forward_authorization",
     "auth.worker_api_key",
     "registration",

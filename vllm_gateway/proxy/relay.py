@@ -73,8 +73,10 @@ _NOT_RETURNED = _HOP_BY_HOP_B | {b"x-request-id"}
 # Request headers describing what the gateway replaced: the request id (ours goes out), the
 # body's coding (aiohttp's server decodes a gzip/deflate body; it goes out decoded), and an
 # `Expect: 100-continue` the gateway already met (it has the whole body; a worker's
-# interim 100 answer must not reach the client as the answer).
-_NOT_FORWARDED = _HOP_BY_HOP_B | {b"x-request-id", b"content-encoding", b"expect"}
+# interim 100 answer must not reach the client as the answer), and `Origin`: the gateway
+# answers CORS itself (http/cors.py); a worker that saw it would add its own headers too,
+# and a browser refuses an answer with two Access-Control-Allow-Origin.
+_NOT_FORWARDED = _HOP_BY_HOP_B | {b"x-request-id", b"content-encoding", b"expect", b"origin"}
 _NOT_FORWARDED_NO_AUTH = _NOT_FORWARDED | {b"authorization"}
 
 
