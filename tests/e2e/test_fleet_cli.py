@@ -7,7 +7,8 @@ import asyncio
 import pytest
 from click.testing import CliRunner
 
-from vllm_gateway.app import ALIASES, REGISTRY
+from tests.conftest import wait_until
+from vllm_gateway.app import ALIASES, AUTOSCALER, REGISTRY
 from vllm_gateway.cli.main import main
 from vllm_gateway.config.gateway import AdminConfig
 from vllm_gateway.workers import WorkerState
@@ -52,6 +53,17 @@ async def test_workers_commands_drive_the_admin_api(fake_worker, gateway, logs):
     assert gw.app[ALIASES].names() == ["big"]
     r = await cli(gw, "alias", "big", "--remove")
     assert r.exit_code == 0 and gw.app[ALIASES].names() == []
+
+    # `scale` prints a table like the other verbs; --json the admin API's document.
+    await wait_until(lambda: "m" in gw.app[AUTOSCALER].view()["models"])
+    r = await cli(gw, "scale")
+    lines = r.output.splitlines()
+    assert r.exit_code == 0 and lines[0] == "autoscaler: off; runs commands: no", r.output
+    assert lines[1].split()[:3] == ["MODEL", "WORKERS", "READY"]
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert rows["m"][1:3] == ["1", "1"] and rows["m2"][1] == "1", r.output
+    r = await cli(gw, "scale", "--json")
+    assert r.exit_code == 0 and '"models"' in r.output
 
     r = await cli(gw, "remove", w2.url)
     assert r.exit_code == 0 and registry.get(w2.url) is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -198,7 +199,12 @@ def list_workers(ctx: click.Context, as_json: bool) -> None:
         )
         for w in rows
     ]
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    _echo_table(table)
+
+
+def _echo_table(table: list[tuple[str, ...]]) -> None:
+    """Rows of cells in aligned columns (the first row is the header)."""
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     for r in table:
         click.echo("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
 
@@ -305,12 +311,47 @@ def alias(ctx: click.Context, name: str | None, targets: tuple[str, ...], remove
         click.echo(f"{alias_name} -> {shares}  ({doc['source']})")
 
 
+_SCALE_COLUMNS = (
+    ("MODEL", None),
+    ("WORKERS", "workers"),
+    ("READY", "ready"),
+    ("INFLIGHT", "inflight"),
+    ("RUNNING", "running"),
+    ("WAITING", "waiting"),
+    ("QUEUED", "queued"),
+    ("DEMAND", "demand"),
+    ("DESIRED", "desired"),
+    ("RECOMMENDED", "recommended"),
+    ("MIN", "min_workers"),
+    ("MAX", "max_workers"),
+)
+
+
 @workers.command(context_settings=CONTEXT)
+@click.option("--json", "as_json", is_flag=True, help="Print the admin API's JSON.")
 @click.pass_context
-def scale(ctx: click.Context) -> None:
-    """Per-model demand and desired worker count (the autoscaler's signals)."""
+def scale(ctx: click.Context, as_json: bool) -> None:
+    """Per-model demand and desired worker count (the autoscaler's signals), and the last
+    scale commands run."""
     doc = _admin_call(ctx, lambda a: a.scale())
-    click.echo(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+    if as_json:
+        click.echo(orjson.dumps(doc, option=orjson.OPT_INDENT_2).decode())
+        return
+    mode = "off" if not doc["enabled"] else "dry run" if doc["dry_run"] else "on"
+    click.echo(f"autoscaler: {mode}; runs commands: {'yes' if doc['runs_commands'] else 'no'}")
+    table = [tuple(name for name, _ in _SCALE_COLUMNS)]
+    for model, m in sorted(doc["models"].items()):
+        table.append((model, *(_num(m.get(key)) for _, key in _SCALE_COLUMNS[1:])))
+    _echo_table(table)
+    if doc["events"]:
+        click.echo("")
+        events = [("AT", "MODEL", "DIRECTION", "INDEX", "RESULT", "COMMAND")]
+        for e in doc["events"]:
+            at = time.strftime("%H:%M:%S", time.localtime(e["at"]))
+            events.append(
+                (at, e["model"], e["direction"], str(e["index"]), e["result"], e["command"])
+            )
+        _echo_table(events)
 
 
 # --- rollout ------------------------------------------------------------------------------
