@@ -37,6 +37,11 @@ def test_help_explains_every_command():
         "--log-level",
     ):
         assert flag in result.output
+    # It points to a reference a pip-installed user has: the one the package prints.
+    assert "docs/" not in result.output
+    assert "check-config --reference" in " ".join(result.output.split())
+    result = runner.invoke(main, ["check-config", "--reference"])
+    assert result.exit_code == 0 and result.output == render_reference()
 
 
 def test_check_config_reports_each_mistake(tmp_path):
@@ -172,6 +177,35 @@ async def test_serve_from_environment_logs_json_and_stops_on_sigterm(fake_worker
     assert any(e["event"] == "gateway listening" for e in events)
     assert any(e["event"] == "worker state" and e["new"] == "ready" for e in events)
     assert all("timestamp" in e and "level" in e for e in events)
+
+
+async def test_serve_without_a_worker_says_how_to_add_one():
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "vllm_gateway",
+        "serve",
+        "--port",
+        str(free_port()),
+        "--log-format",
+        "json",
+        env={k: v for k, v in os.environ.items() if not k.startswith("VLLM_GATEWAY_")},
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        seen = await _read_until(proc.stderr, "no worker configured", timeout=15)
+        proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    [warning] = [json.loads(line) for line in seen.splitlines() if "no worker" in line]
+    assert warning["level"] == "warning"
+    for way in ("--worker URL", "[[workers]]", "vllm-gateway register", "workers add URL"):
+        assert way in warning["event"]
 
 
 async def test_demo_and_chat(http):

@@ -64,8 +64,7 @@ def _load(config_path: str | None, overrides: dict[str, Any]) -> GatewayConfig:
     metavar="NAME",
     help="Dispatch policy for every model without its own: queue (the default: least "
     "expected wait), least_inflight, power_of_two, session, prefix, and the load-blind "
-    "round_robin and random; FastChat's shortest_queue and lottery are aliases "
-    "(docs/dispatch.md).",
+    "round_robin and random; FastChat's shortest_queue and lottery are aliases.",
 )
 @click.option(
     "--processes",
@@ -108,8 +107,8 @@ def serve(
     """Run the gateway in front of the given workers.
 
     Settings come from, lowest precedence first: built-in defaults, the --config file,
-    VLLM_GATEWAY_* environment variables, then these options. Every setting is listed in
-    docs/configuration.md.
+    VLLM_GATEWAY_* environment variables, then these options. Every setting, with its
+    default, TOML key and environment name: `vllm-gateway check-config --reference`.
 
     \b
     SIGHUP reloads the configuration (an invalid one is refused, the running one stays);
@@ -144,12 +143,25 @@ def _reload(config_path: str | None, overrides: dict[str, Any]) -> GatewayConfig
     type=click.Path(dir_okay=False),
     help="TOML configuration file. Env: VLLM_GATEWAY_CONFIG.",
 )
-def check_config(config_path: str | None) -> None:
+@click.option(
+    "--reference",
+    is_flag=True,
+    help="Print the reference of every setting instead (Markdown: key, type, default, "
+    "unit, flag, environment name, meaning).",
+)
+def check_config(config_path: str | None, reference: bool) -> None:
     """Validate the configuration (file + environment) and print it as the gateway sees it.
 
-    Exits 1 with one line per mistake when it is invalid, like `nginx -t`.
+    Exits 1 with one line per mistake when it is invalid, like `nginx -t`; every mistake is
+    listed at once.
     """
     from vllm_gateway.config.load import effective_toml, worker_url_note
+
+    if reference:
+        from vllm_gateway.config.docs import render_reference
+
+        click.echo(render_reference(), nl=False)
+        return
 
     config = _load(config_path, {})
     for i, spec in enumerate(config.workers):

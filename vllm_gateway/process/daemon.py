@@ -124,6 +124,8 @@ class Daemon:
             policy=config.policy,
             process=self.process_index,
         )
+        if self.process_index == 0 and not (config.workers or config.discovery.dns):
+            warn_no_worker(config)
         self.notifier.ready(self._summary(server))
         watchdog = asyncio.create_task(self.notifier.watchdog(), name="sd-watchdog")
         try:
@@ -209,3 +211,15 @@ class Daemon:
         registry = server.app[GATEWAY].registry
         ready = sum(1 for w in registry if w.available)
         return f"serving on {server.url}; {ready} of {len(registry)} workers ready"
+
+
+def warn_no_worker(config: GatewayConfig) -> None:
+    """Say so when the gateway starts with no worker, and how to give it one: until one
+    joins, every model request is answered 404."""
+    log.warning(
+        "no worker configured: no model is served until one joins; add one with "
+        "--worker URL, [[workers]] in the config file or VLLM_GATEWAY_WORKERS, or let workers "
+        "join: `vllm-gateway register` beside each vLLM server"
+        + (" (registration is on)" if config.registration.enabled else " (registration is off)")
+        + ", [[discovery.dns]], or `vllm-gateway workers add URL` (admin API)"
+    )
