@@ -339,13 +339,13 @@ def scale(ctx: click.Context, as_json: bool) -> None:
         return
     mode = "off" if not doc["enabled"] else "dry run" if doc["dry_run"] else "on"
     click.echo(f"autoscaler: {mode}; runs commands: {'yes' if doc['runs_commands'] else 'no'}")
-    table = [tuple(name for name, _ in _SCALE_COLUMNS)]
+    table: list[tuple[str, ...]] = [tuple(name for name, _ in _SCALE_COLUMNS)]
     for model, m in sorted(doc["models"].items()):
         table.append((model, *(_num(m.get(key)) for _, key in _SCALE_COLUMNS[1:])))
     _echo_table(table)
     if doc["events"]:
         click.echo("")
-        events = [("AT", "MODEL", "DIRECTION", "INDEX", "RESULT", "COMMAND")]
+        events: list[tuple[str, ...]] = [("AT", "MODEL", "DIRECTION", "INDEX", "RESULT", "COMMAND")]
         for e in doc["events"]:
             at = time.strftime("%H:%M:%S", time.localtime(e["at"]))
             events.append(

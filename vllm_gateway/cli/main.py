@@ -206,16 +206,32 @@ def hash_key_command(name: str, generate: bool) -> None:
 
 
 @main.command(context_settings=CONTEXT)
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8000, show_default=True, type=int, help="Gateway port.")
-def demo(host: str, port: int) -> None:
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(dir_okay=False),
+    help="TOML configuration file, as for serve. Env: VLLM_GATEWAY_CONFIG.",
+)
+@click.option("--host", help="Address to listen on.  [default: 127.0.0.1]")
+@click.option("--port", type=int, help="Gateway port.  [default: 8000]")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="warning",
+    show_default=True,
+    help="Lowest level logged (the demo is quiet by default).",
+)
+def demo(config_path: str | None, host: str | None, port: int | None, log_level: str) -> None:
     """Start two fake vLLM workers and a gateway in front of them (no GPU needed).
 
-    Prints ready-to-paste curl and Python examples; Ctrl-C stops everything.
+    The gateway reads the settings serve reads (--config, VLLM_GATEWAY_* variables, these
+    options), with the fake workers added; without an admin.token, one is made for the
+    demo. Prints ready-to-paste commands: curl, chat, Python, and draining a worker.
+    Ctrl-C stops everything.
     """
     from vllm_gateway.cli.demo import run_demo
 
-    run_demo(host, port)
+    run_demo(_load(config_path, {"host": host, "port": port}), log_level)
 
 
 @main.command(context_settings=CONTEXT)

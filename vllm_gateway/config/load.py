@@ -78,8 +78,8 @@ def validate(config: GatewayConfig) -> list[str]:
             problem = check_model_name(model)
             if problem:
                 errors.append(f"{where}.models: {problem}")
-    for i, name in enumerate(config.discovery.dns):
-        if problem := check_worker_url(name.url):
+    for i, dns in enumerate(config.discovery.dns):
+        if problem := check_worker_url(dns.url):
             errors.append(f"discovery.dns[{i}].url: {problem}")
     for key in ("running_metrics", "waiting_metrics"):
         if not getattr(config.scrape, key):
