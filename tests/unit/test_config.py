@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from vllm_gateway.config.gateway import GatewayConfig
-from vllm_gateway.config.load import describe, load_config
+from vllm_gateway.config.load import (
+    check_worker_url,
+    describe,
+    load_config,
+    normalize_url,
+    worker_url_note,
+)
 from vllm_gateway.errors import ConfigError
 
 
@@ -60,7 +66,7 @@ def test_config_path_from_env(tmp_path):
     assert load_config(None, env={"VLLM_GATEWAY_CONFIG": str(path)}).port == 7001
 
 
-def test_every_mistake_is_reported_once(tmp_path):
+def test_every_mistake_is_reported_once_in_one_pass(tmp_path):
     path = write(
         tmp_path,
         """
@@ -76,41 +82,49 @@ url = "ftp://x"
 [[workers]]
 url = "http://a:1"
 [[workers]]
-url = "http://a:1/"
+url = "http://a:1/v1/"
+[[discovery.dns]]
+url = "vllm.local:8000"
 """,
     )
     with pytest.raises(ConfigError) as info:
-        load_config(path, env={})
+        load_config(path, env={}, checks=lambda config: ["from above: seen"])
     problems = info.value.problems
-    text = "\n".join(problems)
-    assert "colour: unknown setting" in text
-    assert "timeouts.idle: expected a number, got 'soon'" in text
-    # Coercion errors stop before range checks; fix those first, then see the rest.
-    path = write(
-        tmp_path,
-        """
-port = 70000
-[log]
-format = "xml"
-[timeouts]
-connect = -1
-[[workers]]
-url = "ftp://x"
-[[workers]]
-url = "http://a:1"
-[[workers]]
-url = "http://a:1/"
-""",
-    )
-    with pytest.raises(ConfigError) as info:
-        load_config(path, env={})
-    problems = info.value.problems
+    # Unreadable values, range checks, cross checks and the caller's checks: all at once.
+    assert "colour: unknown setting" in problems
+    assert "timeouts.idle: expected a number, got 'soon'" in problems
     assert any(p.startswith("port: must be at most 65535") for p in problems)
     assert any(p.startswith("log.format: must be one of auto, json, console") for p in problems)
     assert any(p.startswith("timeouts.connect: must be at least 0") for p in problems)
     assert any(p.startswith("workers[0].url:") and "http://" in p for p in problems)
+    # A trailing /v1 names the same server: listed twice.
     assert any(p.startswith("workers[2].url:") and "twice" in p for p in problems)
-    assert len(problems) == 5
+    assert any(p.startswith("discovery.dns[0].url:") and "add http://" in p for p in problems)
+    assert problems[-1] == "from above: seen"
+    assert len(problems) == 9, problems
+
+
+@pytest.mark.parametrize(
+    ("url", "normalized", "problem"),
+    [
+        ("http://10.0.0.5:8000", "http://10.0.0.5:8000", None),
+        (" http://10.0.0.5:8000/ ", "http://10.0.0.5:8000", None),
+        ("http://10.0.0.5:8000/v1", "http://10.0.0.5:8000", None),
+        ("https://h/v1/", "https://h", None),
+        ("10.0.0.5:8000", None, "has no scheme: add http:// (http://10.0.0.5:8000)"),
+        ("http://h:8000/v2", None, "has a path (/v2)"),
+        ("http://h:8000/v1/models", None, "has a path (/v1/models)"),
+        ("http://h:99999", None, "invalid port"),
+        ("http://h?x=1", None, "without query or fragment"),
+    ],
+)
+def test_worker_urls_normalized_or_refused(url, normalized, problem):
+    found = check_worker_url(url)
+    if problem is None:
+        assert found is None and normalize_url(url) == normalized
+        assert (worker_url_note(url) is not None) == url.strip().rstrip("/").endswith("/v1")
+    else:
+        assert found is not None and problem in found
 
 
 def test_bad_toml_and_missing_file(tmp_path):
