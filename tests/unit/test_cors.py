@@ -39,13 +39,9 @@ def test_defaults_are_vllms():
 )
 def test_answer_headers(cors, origin, cookie, expected):
     assert cors.answer_headers(origin, cookie) == expected
-    raw = [(b"Host", b"gw")]
     if origin is not None:
-        raw.append((b"origin", origin.encode()))
-    if cookie:
-        raw.append((b"Cookie", b"a=1"))
-    lines = b"".join(b"%s: %s\r\n" % (n.encode(), v.encode()) for n, v in expected)
-    assert cors.answer_lines(raw) == lines
+        lines = b"".join(b"%s: %s\r\n" % (n.encode(), v.encode()) for n, v in expected)
+        assert cors.answer_bytes(origin, cookie) == lines
 
 
 def test_preflight_allowed_by_default_echoes_the_asked_headers():

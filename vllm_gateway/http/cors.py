@@ -21,8 +21,6 @@ heads the front path writes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from vllm_gateway.config.gateway import CorsConfig
 
 # What `*` stands for in allowed_methods, and the headers a browser may always send.
@@ -80,22 +78,11 @@ class Cors:
             out.append(("Access-Control-Allow-Credentials", "true"))
         return out
 
-    def answer_lines(self, raw_headers: Sequence[tuple[bytes, bytes]]) -> bytes:
-        """`answer_headers` for raw request headers, as header lines (the front path's)."""
-        origin = None
-        has_cookie = False
-        for name, value in raw_headers:
-            if len(name) == 6:
-                lower = name.lower()
-                if lower == b"origin":
-                    origin = value
-                elif lower == b"cookie":
-                    has_cookie = True
-        if origin is None:
-            return b""
+    def answer_bytes(self, origin: str, has_cookie: bool) -> bytes:
+        """`answer_headers` as header lines, for the heads the front path writes."""
         if self.allow_all_origins and not has_cookie:
             return self._any_line
-        pairs = self.answer_headers(origin.decode("latin-1"), has_cookie)
+        pairs = self.answer_headers(origin, has_cookie)
         return b"".join(b"%s: %s\r\n" % (n.encode(), v.encode("latin-1")) for n, v in pairs)
 
     def preflight(

@@ -211,8 +211,9 @@ class FrontExchange(asyncio.Protocol):
                 ctype = True
         if self.request_id:
             parts.append(b"X-Request-Id: %s\r\n" % self.request_id.encode())
-        if (cors := self.front.cors) is not None:
-            parts.append(cors.answer_lines(self.raw_headers))  # b"" without an Origin
+        # CORS for a browser's request (the headers are parsed already: the relay read them).
+        if (cors := self.front.cors) is not None and (origin := self.headers.get("Origin")):
+            parts.append(cors.answer_bytes(origin, "Cookie" in self.headers))
         if chunked:
             parts.append(b"Transfer-Encoding: chunked\r\n")
         elif length is not None:
