@@ -11,6 +11,7 @@ from tests.conftest import wait_until
 from vllm_gateway.app import REGISTRY
 from vllm_gateway.config.gateway import ApiKeyConfig, AuthConfig, ClientConfig, CorsConfig
 from vllm_gateway.http.keys import hash_key
+from vllm_gateway.workers import WorkerState
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -38,6 +39,24 @@ async def test_models_retrieve_answers_the_model_object(fake_worker, gateway, cl
     assert caught.value.code == "model_not_found"
     assert caught.value.body["param"] == "model"  # type: ignore[index]
     assert "no-such-model" in caught.value.body["message"]  # type: ignore[index]
+
+
+async def test_models_retrieve_finds_a_known_model_whose_worker_is_out(
+    fake_worker, gateway, client
+):
+    """A model whose only worker is down is still known (completions answer 503, not 404),
+    so retrieve finds it too, while the list holds only ready models."""
+    w = await fake_worker(models=("demo-llama",))
+    gw = await gateway([w])
+    registry = gw.app[REGISTRY]
+    await wait_until(lambda: registry.ready_models() == ["demo-llama"])
+    await w.stop()
+    registry.set_state(registry.get(w.url), WorkerState.UNHEALTHY, "test: worker stopped")
+    sdk = client(gw)
+    assert [m.id for m in (await sdk.models.list()).data] == []
+    assert (await sdk.models.retrieve("demo-llama")).id == "demo-llama"
+    with pytest.raises(openai.NotFoundError):
+        await sdk.models.retrieve("demo-mistral")
 
 
 async def test_unknown_paths_are_404_and_a_wrong_method_405_with_allow(gateway, http):

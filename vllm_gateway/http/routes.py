@@ -295,12 +295,23 @@ class Routes:
         return json_response({"object": "list", "data": data})
 
     async def model(self, request: web.Request) -> web.Response:
-        """GET /v1/models/{id}: one model of the list, as OpenAI answers it (the SDK's
-        `models.retrieve`); 404 `model_not_found` for one the list does not hold."""
+        """GET /v1/models/{id}: one model, as OpenAI answers it (the SDK's
+        `models.retrieve`). Every model a request may name without a 404 is found here too,
+        ready or not (a worker out, a model scaling from zero); 404 `model_not_found` for
+        any other."""
         model = request.match_info["model"]
-        if model not in self._ready_models():
+        if model not in self._known_models():
             raise ModelNotFound(f"The model `{model[:200]}` does not exist.", param="model")
         return json_response(self._model_object(model))
+
+    def _known_models(self) -> set[str]:
+        """Models some worker serves in any state, every alias, the models that scale from
+        zero: what dispatch answers without a 404."""
+        return {
+            *self.registry.known_models(),
+            *self.aliases.names(),
+            *self.dispatcher.scales_from_zero,
+        }
 
     def _model_object(self, model: str) -> dict[str, object]:
         return {
