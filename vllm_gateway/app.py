@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 from aiohttp import web
 
@@ -39,13 +40,15 @@ from vllm_gateway.fleet.scrape import MetricNames, Scraper
 from vllm_gateway.fleet.sources import StaticWorkers, WorkerSource
 from vllm_gateway.http.cors import Cors
 from vllm_gateway.http.front import FRONT, Front
+from vllm_gateway.http.front_reader import FrontLimits
+from vllm_gateway.http.gate import GATE, Gate
 from vllm_gateway.http.keys import ClientKeys
 from vllm_gateway.http.routes import (
     ERROR_HOOKS,
     ErrorHook,
     Routes,
+    cors_answer_headers,
     cors_preflight,
-    error_middleware,
 )
 from vllm_gateway.log import get_logger
 from vllm_gateway.observe.access_log import AccessLog
@@ -176,7 +179,13 @@ def create_app(
     """
     check_app_config(config)
     g = build_gateway(config, rng or random.Random(), process_count, process_index)
-    middlewares = [error_middleware, cors_preflight(g.routes.cors), g.keys.middleware]
+    # The one function both servers call (answer headers, client keys, the handler, error
+    # answers, the hooks): aiohttp's through its middleware, the front path's directly.
+    gate = Gate(g.keys, g.error_hooks)
+    gate.answer_headers.append(cors_answer_headers(g.routes.cors))
+    # CORS preflights are answered inside the gate (errors answered, hooks fired) and
+    # before client keys (the gate admits no key for a preflight).
+    middlewares = [gate.middleware, cors_preflight(g.routes.cors)]
     siblings = None
     if process_count > 1:
         assert control_dir is not None, "several processes need a control_dir"
@@ -190,9 +199,10 @@ def create_app(
     )
     app[REGISTRY], app[DISPATCHER], app[ALIASES] = g.registry, g.dispatcher, g.aliases
     app[REGISTRATION], app[AUTOSCALER], app[SOURCES] = g.registration, g.autoscaler, g.sources
-    app[GATEWAY], app[ERROR_HOOKS] = g, g.error_hooks
+    app[GATEWAY], app[ERROR_HOOKS], app[GATE] = g, g.error_hooks, gate
     if config.client.front_path:  # relay requests served without aiohttp (front.py)
-        app[FRONT] = Front(g.routes, g.keys, g.error_hooks)
+        limits = FrontLimits.of(config.client, config.max_body_bytes)
+        app[FRONT] = Front(partial(gate.serve, handle=g.routes.relay_exchange), limits)
     g.routes.add_to(app)
     g.status.add_to(app, metrics=config.telemetry.metrics, page=config.telemetry.status_page)
     if config.registration.enabled:

@@ -15,9 +15,10 @@ import orjson
 import pytest
 
 from tests.support.rawhttp import Answer, Connection, exchange, parse, request
-from vllm_gateway.app import create_app
+from vllm_gateway.app import GATEWAY, create_app
 from vllm_gateway.config.gateway import ClientConfig, GatewayConfig
-from vllm_gateway.http.front import FRONT, READ_LIMIT, FrontConnection
+from vllm_gateway.http.front import FRONT, READ_LIMIT
+from vllm_gateway.http.gate import GATE
 from vllm_gateway.http.server import RunningServer
 
 pytestmark = pytest.mark.timeout(30)
@@ -144,7 +145,7 @@ async def test_pipelined_requests_behind_a_stream_wait_in_a_bounded_buffer(fake_
         (conn,) = front.connections
         largest, paused = 0, False
         for _ in range(25):  # 0.5 s without reading an answer
-            largest = max(largest, len(conn.buf), len(conn.pending))
+            largest = max(largest, len(conn.reader.buf), len(conn.reader.pending))
             paused = paused or conn.read_paused
             await asyncio.sleep(0.02)
         assert paused, "reading did not pause behind the stream"
@@ -245,10 +246,13 @@ async def test_a_body_in_tiny_chunks_is_held_in_about_its_own_size(fake_worker, 
         writer.write(head + chunks)  # not the last chunk yet: the body is held
         front = gw.app[FRONT]
         async with asyncio.timeout(10):
-            while not front.connections or next(iter(front.connections)).body_size < len(body):
+            while not front.connections or next(iter(front.connections)).reader.body_size < len(
+                body
+            ):
                 await asyncio.sleep(0.01)
         (conn,) = front.connections
-        held = sys.getsizeof(conn.body_parts) + sum(sys.getsizeof(p) for p in conn.body_parts)
+        parts = conn.exchange.body_parts
+        held = sys.getsizeof(parts) + sum(sys.getsizeof(p) for p in parts)
         assert held < 2 * len(body), held
         writer.write(b"0\r\n\r\n")
         (answer,) = await read_from(reader, 1)
@@ -310,15 +314,18 @@ async def test_shutdown_closes_idle_connections_and_lets_answers_finish(fake_wor
         await gw.stop()
 
 
-def test_the_front_path_mirrors_every_middleware_of_the_relay_routes():
-    """Front.handle does what these middlewares do for a relay request (errors, client
-    keys; the siblings' fan-out skips relay paths; CORS preflights are OPTIONS, never the
-    front path's, whose answer heads carry the CORS headers themselves). A new middleware
-    must be added there too, or relay requests on the front path would skip it."""
+def test_both_paths_call_the_one_gate():
+    """Nothing is mirrored by hand: aiohttp's first middleware (the siblings' fan-out aside,
+    which skips relay paths) is the gate's, and the front path serves a request with the
+    same gate's `serve`. Something every request needs goes into the gate, for both; inside
+    it only the CORS preflight answer (OPTIONS, never the front path's)."""
     app = create_app(GatewayConfig())
+    gate = app[GATE]
     names = [getattr(m, "__name__", repr(m)) for m in app.middlewares]
-    assert names == ["error_middleware", "answer_preflight", "middleware"], names
-    assert FrontConnection.method == "POST"
+    assert app.middlewares[0] == gate.middleware and names[1:] == ["answer_preflight"], names
+    serve = app[FRONT].serve
+    assert serve.func == gate.serve  # type: ignore[attr-defined]
+    assert serve.keywords == {"handle": app[GATEWAY].routes.relay_exchange}  # type: ignore[attr-defined]
 
 
 # --- helpers ---------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ from tests.support.scripted_worker import (
 from vllm_gateway.app import REGISTRY
 from vllm_gateway.config.gateway import TimeoutConfig
 from vllm_gateway.dispatch.request_info import RequestInfo
+from vllm_gateway.http.aiohttp_exchange import REQUEST_ID
 from vllm_gateway.http.front import FrontConnection
-from vllm_gateway.http.routes import REQUEST_ID
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -280,14 +280,17 @@ async def test_request_body_is_released_once_the_answer_streams(fake_worker, gat
         assert all(i.body == b"" and i.prefix_text(10) == "" for i in infos)
         # Nor does the exchange keep a copy (bytes are not tracked by gc: ask their holders).
         fronts = [o for o in gc.get_objects() if isinstance(o, FrontConnection)]
-        mine = [o for o in fronts if o.request_id == rid]
-        assert all(not c.body_parts and len(c.pending) + len(c.buf) < 1000 for c in mine)
+        mine = [o for o in fronts if o.exchange is not None and o.exchange.request_id == rid]
+        assert all(
+            not c.exchange.body_parts and len(c.reader.pending) + len(c.reader.buf) < 1000
+            for c in mine
+        )
         requests = [
             o
             for o in gc.get_objects()
             if isinstance(o, web.BaseRequest) and o.get(REQUEST_ID) == rid  # not the worker's
         ]
-        assert all(not q._read_bytes for q in requests)
+        assert all(not q._read_bytes for q in requests)  # aiohttp's copy: never made
         assert len(mine if path == "front" else requests) == 1
         r.close()
     assert w.stats.requests[-1].body == body  # the worker got it whole

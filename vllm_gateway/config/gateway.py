@@ -146,6 +146,19 @@ class ClientConfig:
         minimum=1024,
     )
     max_headers: int = setting(128, "Most header lines in one request; more get 431.", minimum=16)
+    max_head_bytes: int = setting(
+        64 * 1024,
+        "Most bytes of one request's line and headers in all; a longer head gets 431 and the "
+        "connection is closed. Bounds what a connection holds before its key is checked.",
+        unit="bytes",
+        minimum=4096,
+    )
+    max_connections: int = setting(
+        20_000,
+        "Most open client connections per gateway process (0: no limit); past it a new one "
+        "gets 503 and is closed at once.",
+        minimum=0,
+    )
     front_path: bool = setting(
         True,
         "Serve relay requests with the gateway's own HTTP/1.1 protocol (front.py: about a "

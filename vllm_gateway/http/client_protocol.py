@@ -11,17 +11,22 @@ and the closed connection but answers like every other gateway error
 scanner cannot flood the log; a bug in a handler (a 500) is still logged with its traceback.
 
 aiohttp builds its protocol objects in `web.Server.__call__`; `ClientRunner` makes the
-application's server build the gateway's instead: the front path's connection (front.py)
-when the app has one, which hands what it does not serve to a `ClientProtocol`
-(tests/e2e/test_bad_input.py and tests/e2e/test_front.py pin the behaviour, so an aiohttp upgrade
-that changes these internals fails loudly).
+application's server a `ClientServer`, which builds the gateway's instead: the front path's
+connection (front.py) when the app has one, which hands what it does not serve to a
+`ClientProtocol`; every `ClientProtocol` sits behind a `guard.HeadGuard` (a bound on a
+head's total size, and the connection limit).
+
+aiohttp internals this relies on, each pinned by tests/unit/test_aiohttp_seams.py so an
+aiohttp upgrade that changes one fails loudly: `AppRunner._make_server` (the one private
+hook: the server it builds is rebuilt as a `ClientServer` from its public attributes
+`request_handler`, `request_factory`, `handler_cancellation`) and
+`RequestHandler.handle_error`'s signature.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import LineTooLong
@@ -29,17 +34,18 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from vllm_gateway.errors import GatewayError, MalformedRequest, error_response
+from vllm_gateway.http.gate import Gate
+from vllm_gateway.http.guard import ConnectionLimit, HeadGuard
+from vllm_gateway.http.wire import DateHeader
 from vllm_gateway.log import get_logger
-
-if TYPE_CHECKING:
-    from vllm_gateway.http.front import Front
-    from vllm_gateway.http.routes import ErrorHook
 
 log = get_logger("vllm_gateway.client")
 
 
 class ClientProtocol(RequestHandler):
     """One client connection, as aiohttp serves it, with the gateway's error answers."""
+
+    gate: Gate | None = None  # set by ClientServer: the error hooks
 
     def handle_error(
         self,
@@ -61,8 +67,8 @@ class ClientProtocol(RequestHandler):
             error = malformed(exc, message, status)
             log.debug("malformed request", peer=request.remote, error=error.message)
         # Counted and logged like every error the gateway answers itself (metrics, access log).
-        for hook in self._manager.error_hooks:  # type: ignore[union-attr]
-            hook(error, request.method, request.path, None)
+        if self.gate is not None:
+            self.gate.fire(error, request.method, request.path, None)
         response = error_response(error)
         response.force_close()  # the connection's framing can no longer be trusted
         return response
@@ -82,22 +88,63 @@ def malformed(exc: BaseException | None, message: str | None, status: int) -> Ma
     return error
 
 
+class FrontServer(Protocol):
+    """What `ClientServer` needs of the front path (front.Front)."""
+
+    def connection(self, server: ClientServer) -> asyncio.Protocol: ...
+
+    def pre_shutdown(self) -> None: ...
+
+    async def shutdown(self, timeout: float | None) -> None: ...
+
+
 class ClientServer(web.Server):
     """aiohttp's low-level server, building the gateway's protocol for each connection: the
     front path's (front.py) when the app has one, which hands the connections it does not
-    serve to a `ClientProtocol`; else a `ClientProtocol` straight away."""
+    serve to aiohttp's; else aiohttp's (a `ClientProtocol` behind a `HeadGuard`) straight
+    away."""
 
-    front: Front | None = None
-    error_hooks: Sequence[ErrorHook] = ()  # routes.ERROR_HOOKS: counters, access log
+    def __init__(
+        self,
+        handler: Any,
+        *,
+        request_factory: Any,
+        handler_cancellation: bool,
+        front: FrontServer | None,
+        gate: Gate | None,
+        limit: ConnectionLimit,
+        max_head_bytes: int,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            handler,
+            request_factory=request_factory,
+            handler_cancellation=handler_cancellation,
+            **kwargs,
+        )
+        self.front = front
+        self.gate = gate
+        self.limit = limit
+        self.max_head_bytes = max_head_bytes
+        self.date = DateHeader()
+        self.loop = asyncio.get_running_loop()
+        # What aiohttp's RequestHandler takes (the limits and settings start_server gave).
+        self.protocol_kwargs = kwargs
 
-    def __call__(self) -> asyncio.Protocol:
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]  # a guard, not a RequestHandler
         if self.front is not None:
             return self.front.connection(self)
-        return self.client_protocol()
+        return self.aiohttp_protocol(counted=False)
 
-    def client_protocol(self) -> ClientProtocol:
-        """What aiohttp serves a connection with (the same limits and settings)."""
-        return ClientProtocol(self, loop=self._loop, **self._kwargs)
+    def aiohttp_protocol(self, *, counted: bool) -> HeadGuard:
+        """What aiohttp serves a connection with (the same limits and settings), behind the
+        head guard; `counted`: the connection already counts against the limit (a
+        connection the front path hands over)."""
+        protocol = ClientProtocol(self, loop=self.loop, **self.protocol_kwargs)
+        protocol.gate = self.gate
+        return HeadGuard(
+            protocol, self.limit, self.max_head_bytes, self.date, self.gate, counted=counted
+        )
 
     def pre_shutdown(self) -> None:
         super().pre_shutdown()
@@ -118,18 +165,33 @@ class ClientRunner(web.AppRunner):
         self,
         app: web.Application,
         *,
-        front: Front | None = None,
-        error_hooks: Sequence[ErrorHook] = (),
-        **kwargs,
+        front: FrontServer | None = None,
+        gate: Gate | None = None,
+        limit: ConnectionLimit | None = None,
+        max_head_bytes: int = 64 * 1024,
+        **kwargs: Any,
     ) -> None:
         super().__init__(app, **kwargs)
-        self._front = front
-        self._error_hooks = error_hooks
+        self.front = front
+        self.gate = gate
+        self.limit = limit or ConnectionLimit(0)
+        self.max_head_bytes = max_head_bytes
+        self.server_kwargs = kwargs
 
     async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        # Same server, same state; only the protocol factory differs.
-        server.__class__ = ClientServer
-        server.front = self._front  # type: ignore[attr-defined]
-        server.error_hooks = self._error_hooks  # type: ignore[attr-defined]
-        return server
+        built = await super()._make_server()  # aiohttp's: the app started, the handler bound
+        kwargs = {
+            k: v
+            for k, v in self.server_kwargs.items()
+            if k not in ("handle_signals", "shutdown_timeout", "handler_cancellation")
+        }
+        return ClientServer(
+            built.request_handler,
+            request_factory=built.request_factory,
+            handler_cancellation=built.handler_cancellation,
+            front=self.front,
+            gate=self.gate,
+            limit=self.limit,
+            max_head_bytes=self.max_head_bytes,
+            **kwargs,
+        )

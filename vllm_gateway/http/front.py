@@ -6,25 +6,29 @@ middlewares: most of the gateway's CPU per request above the system calls, and m
 memory per open stream (docs/benchmarks.md). A relay needs none of that. `FrontConnection`
 reads requests with httptools (llhttp, the parser aiohttp's own C parser wraps) and serves
 the common relay request itself: a POST to a model path (`routes.is_model_path`), HTTP/1.1,
-plainly framed. For that request it is the `exchange.Exchange`, so the relay handler
-(`Routes.relay_exchange`), the client keys (`ClientKeys.admit`) and the errors
-(`errors.error_parts`, `routes.ERROR_HOOKS`) are the same code on both paths.
+plainly framed. For that request it makes a `front_exchange.FrontExchange` and passes it to the same
+function aiohttp's middleware calls (`gate.Gate.serve`: client keys, the relay handler,
+error answers and their hooks), so nothing is mirrored between the paths.
 
 Anything else goes to aiohttp, for the rest of the connection (`_hand_off`): the connection
-builds the `ClientProtocol` aiohttp would have built, makes it the transport's protocol and
-feeds it every byte read of the request so far, so aiohttp serves it as if it had owned the
-connection from that request on. Handed over: another method or path, HTTP/1.0, `Expect`,
+builds the `ClientProtocol` aiohttp would have built (behind the head guard, guard.py)
+through the factory it was given, makes it the transport's protocol and feeds it every byte
+read of the request so far, so aiohttp serves it as if it had owned the connection from
+that request on. Handed over: another method or path, HTTP/1.0, `Expect`,
 `Upgrade`, `Content-Encoding`, `Sec-WebSocket-Key1`, a transfer coding other than `chunked`,
 a target with a percent-escape, `+`, a dot segment or an empty segment, a header aiohttp
-allows once given twice, a NUL in a value, no `Host`, a head longer than
+allows once given twice, a NUL in a value, no `Host`, a whole head with a line longer than
 `client.max_header_bytes` or with more than `client.max_headers` lines, and whatever the
-parser refuses. aiohttp then answers as it always did (the refusals as OpenAI errors:
-client_protocol.py).
+parser refuses; aiohttp then answers as it always did (the refusals as OpenAI errors:
+client_protocol.py). A head still not whole past `client.max_head_bytes` is refused here
+(431, the connection closed): aiohttp has no bound on a head's total size.
 
-A connection's parts: `front_exchange.FrontExchange` is the request being served and its
-answer, `front_reader.RequestReader` reads requests and decides which are served here, and
-`FrontConnection` (this module) is the connection's life: a task per request, the
-hand-over, the idle timer, shutdown.
+A connection's parts, by composition: `FrontConnection` (this module) is the connection's
+life (a task per request, the hand-over, the idle timer, shutdown); it has a
+`front_reader.RequestReader`, which parses and says what to do with each request, and it
+makes one `front_exchange.FrontExchange` per request served. It is given its limits, the
+Date header and the function that serves a request; `Front` holds what the connections
+share (the set of open ones for shutdown, counters).
 
 What the front path does itself, as aiohttp does it:
 - requests on a connection are served one at a time, in order; later (pipelined) ones wait
@@ -48,70 +52,75 @@ What the front path does itself, as aiohttp does it:
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import cast
 
 from aiohttp import web
 from aiohttp.tcp_helpers import tcp_keepalive
 
-from vllm_gateway.config.gateway import ClientConfig
-from vllm_gateway.errors import GatewayError
-from vllm_gateway.http.cors import Cors
-from vllm_gateway.http.front_exchange import DateHeader
-from vllm_gateway.http.front_reader import RequestReader
-from vllm_gateway.http.keys import ClientKeys
-from vllm_gateway.http.routes import ErrorHook, Routes
+from vllm_gateway.http.client_protocol import ClientServer
+from vllm_gateway.http.front_exchange import FlowControl, FrontExchange
+from vllm_gateway.http.front_reader import HAND_OFF, MORE, SERVE, FrontLimits, RequestReader
+from vllm_gateway.http.guard import ConnectionLimit, head_too_large
+from vllm_gateway.http.wire import DateHeader, error_answer
 from vllm_gateway.log import get_logger
-
-if TYPE_CHECKING:
-    from vllm_gateway.http.client_protocol import ClientServer
 
 log = get_logger("vllm_gateway.front")
 
 # Reading pauses while this many bytes of later (pipelined) requests wait (bytes; 64 KiB).
 READ_LIMIT = 1 << 16
 
+# Serves one request on its exchange, answering every error itself (gate.Gate.serve with
+# the relay handler).
+Serve = Callable[[FrontExchange], Awaitable[None]]
+# Makes aiohttp's protocol for a connection handed over (client_protocol.ClientServer).
+HandOff = Callable[[], asyncio.Protocol]
 
-class Front:
-    """The front path of one app: its handler, limits and connections (for shutdown).
 
-    Counters for telemetry: `served` (requests answered on the front path), `handed_off`
-    (connections given to aiohttp).
-    """
+class Connections(set["FrontConnection"]):
+    """A front path's open connections (for shutdown) and its counters for telemetry:
+    `served` (requests answered on the front path), `handed_off` (connections given to
+    aiohttp); `closing` once shutdown began."""
 
-    def __init__(
-        self, routes: Routes, keys: ClientKeys | None, error_hooks: list[ErrorHook]
-    ) -> None:
-        self.routes = routes
-        self.keys = keys
-        self.error_hooks = error_hooks
-        self.limits = ClientConfig()  # server.start_server sets the ones it serves with
-        self.connections: set[FrontConnection] = set()
-        self.closing = False
+    def __init__(self) -> None:
+        super().__init__()
         self.served = 0
         self.handed_off = 0
+        self.closing = False
+
+
+class Front:
+    """The front path of one app: the function that serves a request, the limits and the
+    Date header its connections are given, and the open connections, for shutdown."""
+
+    def __init__(self, serve: Serve, limits: FrontLimits) -> None:
+        self.serve = serve
+        self.limits = limits  # server.start_server sets the ones it serves with
         self.date = DateHeader()
-        self.cors: Cors | None = routes.cors  # the CORS headers of each answer head
+        self.connections = Connections()
+
+    @property
+    def served(self) -> int:
+        return self.connections.served
+
+    @property
+    def handed_off(self) -> int:
+        return self.connections.handed_off
 
     def connection(self, server: ClientServer) -> FrontConnection:
         """A protocol for a new client connection (the listening socket's factory)."""
-        return FrontConnection(self, server)
-
-    async def handle(self, ex: FrontConnection) -> None:
-        """What aiohttp's middlewares and handler do for a relay request: client keys,
-        then the relay handler. Errors are the caller's to answer."""
-        keys = self.keys
-        if keys is None:
-            await self.routes.relay_exchange(ex)
-            return
-        key = keys.admit(ex)
-        try:
-            await self.routes.relay_exchange(ex)
-        finally:
-            keys.release(key)
+        return FrontConnection(
+            self.serve,
+            self.limits,
+            self.date,
+            self.connections,
+            server.limit,
+            lambda: server.aiohttp_protocol(counted=True),
+        )
 
     def pre_shutdown(self) -> None:
         """Stop serving new requests: idle connections close, busy ones after their answer."""
-        self.closing = True
+        self.connections.closing = True
         for conn in list(self.connections):
             conn.close_when_idle()
 
@@ -126,32 +135,62 @@ class Front:
         if left:
             await asyncio.wait(left, timeout=timeout)
         for conn in list(self.connections):
-            if conn.transport is not None:
-                conn.transport.close()
+            conn.close()
         self.connections.clear()
 
 
 FRONT = web.AppKey("front", Front)
 
 
-class FrontConnection(RequestReader):
-    """One client connection on the front path (module docstring): the request it serves
-    (`FrontExchange`), read by `RequestReader`, and the connection's life here."""
+class FrontConnection(asyncio.Protocol):
+    """One client connection on the front path (module docstring): it has a reader, makes
+    an exchange per request it serves, and owns the connection's life."""
 
     __slots__ = (
         "_timer",
+        "closing",
+        "connections",
+        "counted",
+        "date",
+        "exchange",
+        "flow",
+        "hand_off",
         "handed_off",
         "idle_until",
+        "limit",
+        "limits",
         "lingering",
+        "loop",
         "read_paused",
-        "server",
+        "reader",
+        "serve",
         "task",
+        "transport",
     )
 
-    def __init__(self, front: Front, server: ClientServer) -> None:
-        super().__init__(front)
-        self.server = server
+    def __init__(
+        self,
+        serve: Serve,
+        limits: FrontLimits,
+        date: DateHeader,
+        connections: Connections,
+        limit: ConnectionLimit,
+        hand_off: HandOff,
+    ) -> None:
+        self.serve = serve
+        self.limits = limits
+        self.date = date
+        self.connections = connections  # the front path's open ones, with its counters
+        self.limit = limit  # the process's connection limit
+        self.hand_off = hand_off
+        self.loop = asyncio.get_running_loop()
+        self.reader = RequestReader(self.limits)
+        self.flow = FlowControl(self.loop)
+        self.transport: asyncio.Transport | None = None
+        self.exchange: FrontExchange | None = None
         self.task: asyncio.Task[None] | None = None
+        self.counted = False
+        self.closing = False  # close once the current answer is out
         self.handed_off = False
         self.lingering = False
         self.read_paused = False
@@ -161,104 +200,157 @@ class FrontConnection(RequestReader):
     # --- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        front = self.front
-        if front.closing:
+        transport = cast(asyncio.Transport, transport)  # uvloop's is none of asyncio's classes
+        connections = self.connections
+        if connections.closing:
             transport.close()
             return
-        front.connections.add(self)
+        if not self.limit.admit(transport):
+            return
+        self.counted = True
+        self.transport = transport
+        connections.add(self)
         tcp_keepalive(transport)  # as aiohttp: a peer that vanished is found in time
         self._arm_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self.front.connections.discard(self)
+        if self.counted and not self.handed_off:
+            self.counted = False
+            self.limit.release()
+        self.connections.discard(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if self.task is not None:
             self.task.cancel()  # the client went away: the relay aborts the worker's request
-        for waiter in (self._drain_waiter, self._body_waiter):
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(ConnectionResetError("the client went away"))
-        self.parser = None  # the parser holds our callbacks: let the cycle go at once
+        if self.exchange is not None:
+            self.exchange.connection_lost()
+        self.flow.lost()
+        self.reader.close()  # the parser holds the reader's callbacks: let them go at once
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
             return  # the rest of a body that was refused (_linger)
-        if self.task is None:
+        reader = self.reader
+        if self.exchange is None:
             self._read_head(data)
-        elif not self.message_done:
-            self._read_body(data)
-        elif not self.closing:  # a later request: it waits for this one's answer
-            self.buf += data
-            if len(self.buf) > READ_LIMIT and not self.read_paused and self.transport:
-                self.read_paused = True
-                self.transport.pause_reading()
+        elif not reader.message_done:
+            rest = reader.read_body(data)
+            if rest:
+                self._wait_in_buffer(rest)
+        else:
+            self._wait_in_buffer(data)
 
     def eof_received(self) -> None:
         return None  # close, as aiohttp does: a half-closed client is a gone client
 
+    def pause_writing(self) -> None:
+        self.flow.pause()
+
+    def resume_writing(self) -> None:
+        self.flow.resume()
+
     # --- serving one request ---------------------------------------------------------------
 
-    def _start_request(self) -> None:
-        self.task = self.loop.create_task(self._serve())
-
-    async def _serve(self) -> None:
-        front = self.front
-        try:
-            await front.handle(self)
-        except GatewayError as e:
-            for hook in front.error_hooks:
-                hook(e, self.method, self.path, self.request_id)
-            self._answer_error(e)
-        except ConnectionError:
-            pass  # the client went away while its answer was being written
-        except Exception as e:
-            log.exception("Error handling request", exc_info=e)
-            error = GatewayError("The gateway failed to handle this request.")
-            error.closes_connection = True
-            self._answer_error(error)
-        finally:
-            self._served()
-
-    def _served(self) -> None:
-        """The request's task ended: go on to the next request, or close."""
-        self.task = None
-        self.front.served += 1
+    def _read_head(self, data: bytes) -> None:
+        """Read a head; serve its request, hand the connection over or refuse it."""
+        reader = self.reader
+        verdict = reader.read_head(data)
+        if verdict == MORE:
+            return
         transport = self.transport
         if transport is None:
             return
-        if not self.answer_done or self.front.closing or transport.is_closing():
+        if verdict == SERVE:
+            ex = self.exchange = FrontExchange(
+                transport,
+                self.flow,
+                self.date,
+                reader.path,
+                reader.path_qs,
+                reader.raw_headers,
+                reader.content_length,
+                reader.keep_alive,
+            )
+            if self.closing:
+                ex.close_after = True
+            self.task = self.loop.create_task(self._serve(ex))
+            rest = reader.start_body(ex)
+            if rest:
+                self._wait_in_buffer(rest)
+        elif verdict == HAND_OFF:
+            self._hand_off(transport)
+        else:  # TOO_LARGE: aiohttp has no bound on a head's total (guard.py)
+            self._refuse(transport)
+
+    def _wait_in_buffer(self, data: bytes) -> None:
+        """Bytes of a later request: they wait for this one's answer (reading pauses past
+        READ_LIMIT of them)."""
+        if self.closing:
+            return
+        buf = self.reader.buf
+        buf += data
+        if len(buf) > READ_LIMIT and not self.read_paused and self.transport:
+            self.read_paused = True
+            self.transport.pause_reading()
+
+    async def _serve(self, ex: FrontExchange) -> None:
+        try:
+            await self.serve(ex)
+        except ConnectionError:
+            pass  # the client went away while its answer was being written
+        finally:
+            self._served(ex)
+
+    def _served(self, ex: FrontExchange) -> None:
+        """The request's task ended: go on to the next request, or close."""
+        self.task = None
+        self.exchange = None
+        self.connections.served += 1
+        transport = self.transport
+        if transport is None:
+            return
+        if not ex.answer_done or self.connections.closing or transport.is_closing():
             transport.close()
             return
-        if not self.message_done or self.body_error is not None:
+        if not ex.message_done or ex.body_error is not None:
             self._linger(transport)  # the client may still be sending the body
             return
-        if self.closing or not self.keep_alive:
+        if self.closing or ex.answer_closes:
             transport.close()
             return
-        self._reset()
+        reader = self.reader
+        reader.reset()
         self._arm_idle()
         if self.read_paused:
             self.read_paused = False
             transport.resume_reading()
-        if self.buf:
+        if reader.buf:
             self._read_head(b"")
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        """A head over client.max_head_bytes: 431, and the connection closes (no linger:
+        what follows is more of the same head, not a body)."""
+        error = head_too_large(self.limits.max_head_bytes)
+        log.debug("request head too large", peer=_peer(transport), error=error.message)
+        self.closing = True
+        self.reader.close()
+        transport.write(error_answer(error, self.date))
+        transport.close()
 
     def _linger(self, transport: asyncio.Transport) -> None:
         """The answer is out (it said `Connection: close`) before the body was whole: end our
         side, then read and drop what still comes until the client closes or
         `client.body_timeout` passes (module docstring)."""
         self.lingering = True
-        self.parser = None
-        self.buf.clear()
+        self.reader.close()
         if transport.can_write_eof():
             transport.write_eof()
         if self._timer is not None:  # set for a later time (the head's): the linger is shorter
             self._timer.cancel()
             self._timer = None
-        self._arm_idle(self.front.limits.body_timeout)
+        self._arm_idle(self.limits.body_timeout)
         if self.read_paused:
             self.read_paused = False
             transport.resume_reading()
@@ -266,28 +358,29 @@ class FrontConnection(RequestReader):
     def close_when_idle(self) -> None:
         """Shutdown: close now if no request is being served, else after its answer."""
         self.closing = True
+        if self.exchange is not None:
+            self.exchange.close_after = True
         if self.task is None and self.transport is not None:
             self.transport.close()
 
-    def _hand_off(self) -> None:
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _hand_off(self, transport: asyncio.Transport) -> None:
         """Give this connection to aiohttp from the current request on (module docstring)."""
-        transport = self.transport
-        if transport is None:
-            return
         self.handed_off = True
-        front = self.front
-        front.handed_off += 1
-        front.connections.discard(self)
+        self.connections.handed_off += 1
+        self.connections.discard(self)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        protocol = self.server.client_protocol()
+        protocol = self.hand_off()  # counted already: it releases the count when it ends
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
-        if self.write_paused:
+        if self.flow.paused:
             protocol.pause_writing()
-        data, self.pending = self.pending, b""
-        self.parser = None
+        data = self.reader.take_pending()
         if data:
             protocol.data_received(data)
         if self.read_paused:
@@ -300,7 +393,7 @@ class FrontConnection(RequestReader):
         # `seconds`: header_timeout unless given (the linger's limit).
         loop = self.loop
         if seconds is None:
-            seconds = self.front.limits.header_timeout
+            seconds = self.limits.header_timeout
         self.idle_until = loop.time() + seconds
         if self._timer is None:
             self._timer = loop.call_at(self.idle_until, self._idle_check)
@@ -316,3 +409,8 @@ class FrontConnection(RequestReader):
         # No whole request head in time (a slow loris, an idle keep-alive connection), or the
         # linger's time is up.
         transport.close()
+
+
+def _peer(transport: asyncio.BaseTransport) -> str | None:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else None

@@ -1,5 +1,8 @@
 """Reading requests for the front path (front.py): `RequestReader` turns a client
-connection's bytes into one request at a time, and says whether the front path serves it.
+connection's bytes into one request at a time and says what to do with each (`read_head`:
+serve it, hand the connection to aiohttp, refuse a head over `client.max_head_bytes`, or
+wait for more). It only parses: the connection acts on its verdicts, and gives it the
+exchange (front_exchange.py) that receives the body of a request it serves.
 
 httptools' parser (llhttp) is fed exactly one request's bytes: the head up to its blank line,
 then the body by its Content-Length, or for a chunked body up to each CRLF CRLF in turn (the
@@ -14,19 +17,17 @@ origin-form target and plain framing; everything else (front.py lists it) is han
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import httptools
 from aiohttp.http_exceptions import LineTooLong
 
-from vllm_gateway.errors import MalformedRequest
+from vllm_gateway.config.gateway import ClientConfig
+from vllm_gateway.errors import BodyTooLarge, GatewayError, MalformedRequest
 from vllm_gateway.http.client_protocol import malformed
 from vllm_gateway.http.front_exchange import FrontExchange
 from vllm_gateway.http.routes import is_model_path
 from vllm_gateway.log import get_logger
-
-if TYPE_CHECKING:
-    from vllm_gateway.http.front import Front
 
 log = get_logger("vllm_gateway.front")
 
@@ -56,42 +57,89 @@ _HANDED_OVER = frozenset({b"expect", b"upgrade", b"content-encoding", b"sec-webs
 _NOTABLE = _SINGLETONS | _HANDED_OVER
 _CRLF2 = b"\r\n\r\n"
 
+# What `read_head` says to do with the bytes read so far.
+MORE = 0  # the head is not whole yet: wait for more
+SERVE = 1  # a request the front path serves: make its exchange, then `start_body`
+HAND_OFF = 2  # anything else: give the connection to aiohttp (`take_pending`)
+TOO_LARGE = 3  # the head is over `max_head_bytes`: refuse it (431) and close
 
-class RequestReader(FrontExchange):
-    """The request-reading half of a front connection (module docstring). The connection
-    (front.FrontConnection) starts serving a request with `_start_request` and gives the
-    connection to aiohttp with `_hand_off`."""
+
+@dataclass(frozen=True, slots=True)
+class FrontLimits:
+    """What a front path connection may take (config.ClientConfig, max_body_bytes)."""
+
+    header_timeout: float
+    body_timeout: float
+    max_header_bytes: int
+    max_headers: int
+    max_head_bytes: int
+    max_body_bytes: int
+
+    @classmethod
+    def of(cls, client: ClientConfig, max_body_bytes: int) -> FrontLimits:
+        return cls(
+            client.header_timeout,
+            client.body_timeout,
+            client.max_header_bytes,
+            client.max_headers,
+            client.max_head_bytes,
+            max_body_bytes,
+        )
+
+
+class RequestReader:
+    """A front connection's request reader (module docstring)."""
 
     __slots__ = (
+        "_after",
         "_seen",
         "_tail",
         "body_left",
+        "body_size",
         "buf",
         "chunked",
+        "content_length",
         "fed",
         "has_host",
         "head_done",
+        "keep_alive",
+        "limits",
+        "message_done",
         "parser",
+        "path",
+        "path_qs",
         "pending",
         "quiet",
+        "raw_headers",
+        "receiver",
         "target",
         "trailers",
         "unusual",
     )
 
-    def __init__(self, front: Front) -> None:
-        super().__init__(front)
+    def __init__(self, limits: FrontLimits) -> None:
+        self.limits = limits
         self.parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
-        self.pending = b""  # the current request's bytes not yet taken (head, or all of it)
+        # The current request's bytes not yet taken (head, or all of it): the bytes of one
+        # read as they came, a buffer once a head spans reads (bounded by max_head_bytes).
+        self.pending: bytes | bytearray = b""
         self.fed = 0  # how many of `pending` the parser has seen
         self.buf = bytearray()  # bytes of later requests, read while one is being served
-        self._reset()
+        self.reset()
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
         """Forget the previous request; ready for the next head."""
-        self._new_request()
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = True
+        self.message_done = False  # the whole request (its body) has been read
+        self.path = ""
+        self.path_qs = ""
+        self.content_length: int | None = None
+        self.receiver: FrontExchange | None = None
+        self.body_size = 0
         self.target = b""
         self._seen: list[bytes] | None = None
+        self._after = b""
         self.unusual = False
         self.has_host = False
         self.head_done = False
@@ -101,11 +149,18 @@ class RequestReader(FrontExchange):
         self.trailers = 0  # trailer lines of a chunked body
         self.quiet = 0  # body bytes fed in a row that gave neither body nor a trailer
 
-    def _start_request(self) -> None:
-        raise NotImplementedError
+    def close(self) -> None:
+        """The connection is done with reading: let the parser (and its callbacks) go."""
+        self.parser = None
+        self.receiver = None
+        self.buf.clear()
+        self.pending = b""
 
-    def _hand_off(self) -> None:
-        raise NotImplementedError
+    def take_pending(self) -> bytes:
+        """The current request's bytes read so far, for aiohttp (the hand-over)."""
+        data, self.pending = bytes(self.pending), b""
+        self.parser = None
+        return data
 
     # --- httptools callbacks ---------------------------------------------------------------
 
@@ -117,12 +172,12 @@ class RequestReader(FrontExchange):
             # A trailer of a chunked body: not one of the request's headers, but bounded as
             # they are (aiohttp counts the trailers with the headers).
             self.trailers += 1
-            limits = self.front.limits
+            limits = self.limits
             if (
                 len(name) + len(value) > limits.max_header_bytes
                 or len(self.raw_headers) + self.trailers > limits.max_headers
             ):
-                self.body_done(_too_large())
+                self._body_failed(_too_large())
             return
         value = value.rstrip(b" \t")  # as aiohttp: llhttp strips the whitespace before only
         self.raw_headers.append((name, value))
@@ -159,59 +214,74 @@ class RequestReader(FrontExchange):
         if parser.should_upgrade():
             self.unusual = True
 
+    def on_body(self, body: bytes) -> None:
+        size = self.body_size = self.body_size + len(body)
+        receiver = self.receiver
+        if receiver is None or receiver.body_error is not None:
+            return
+        limit = self.limits.max_body_bytes
+        if size > limit:
+            receiver.body_done(
+                BodyTooLarge(f"The request body is too large: more than {limit} bytes.")
+            )
+            return
+        receiver.on_body(body)
+
     def on_message_complete(self) -> None:
         self.message_done = True
 
     # --- reading requests ------------------------------------------------------------------
 
-    def _read_head(self, data: bytes) -> None:
-        """Take bytes of a request head; serve the request or hand the connection over."""
+    def read_head(self, data: bytes) -> int:
+        """Take bytes of a request head; say what to do (MORE, SERVE, HAND_OFF, TOO_LARGE)."""
         if self.buf:  # bytes that waited while the previous request was served
             data = bytes(self.buf) + data
             self.buf.clear()
-        pending = self.pending + data if self.pending else data
-        start = self.fed
-        if not start:
+        pending = self.pending
+        if pending:
+            pending += data  # a bytearray: a slow head costs no copy per read
+        else:
+            pending = data
             while pending.startswith(b"\r\n"):  # blank lines between requests: allowed
                 pending = pending[2:]
             if not pending:
-                return
+                return MORE
+        start = self.fed
         end = pending.find(_CRLF2, max(0, start - 3))
         stop = end + 4 if end >= 0 else len(pending)
-        self.pending = pending
         parser = self.parser
         assert parser is not None
         try:
-            parser.feed_data(pending[start:stop] if start or stop < len(pending) else pending)
+            if start or stop < len(pending):
+                parser.feed_data(memoryview(pending)[start:stop])
+            else:
+                parser.feed_data(pending)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):
-            self._hand_off()  # aiohttp's parser says what is wrong (or upgrades), as always
-            return
+            self.pending = pending
+            return HAND_OFF  # aiohttp's parser says what is wrong (or upgrades), as always
         self.fed = stop
         if end < 0:
-            if self.head_done or stop > self.front.limits.max_header_bytes:
-                self._hand_off()
-            return
+            if self.head_done:
+                self.pending = pending
+                return HAND_OFF
+            if stop > self.limits.max_head_bytes:
+                self.pending = b""
+                return TOO_LARGE
+            self.pending = pending if type(pending) is bytearray else bytearray(pending)
+            return MORE
+        self.pending = pending
         if not self._servable(stop):
-            self._hand_off()
-            return
+            return HAND_OFF
+        self._after = bytes(pending[stop:])
         self.pending = b""
         self.fed = 0
-        self._start_request()
-        if self.chunked:
-            self._tail = b""
-        else:
-            self.body_left = self.content_length or 0
-        rest = pending[stop:]
-        if rest:
-            self._read_body(rest)
-        elif not self.chunked and not self.body_left:
-            self.message_done = True  # no body
+        return SERVE
 
     def _servable(self, head_length: int) -> bool:
         """May the front path serve the request whose head was just read?"""
         parser = self.parser
         assert parser is not None
-        limits = self.front.limits
+        limits = self.limits
         if (
             self.unusual
             or not self.head_done
@@ -232,8 +302,23 @@ class RequestReader(FrontExchange):
         self.path, self.path_qs = path, path_qs
         return True
 
-    def _read_body(self, data: bytes) -> None:
-        """Feed the current request's body; later bytes wait in `buf`."""
+    def start_body(self, receiver: FrontExchange) -> bytes:
+        """Deliver the served request's body to `receiver`; return any bytes after it."""
+        self.receiver = receiver
+        if self.chunked:
+            self._tail = b""
+        else:
+            self.body_left = self.content_length or 0
+        rest, self._after = self._after, b""
+        if rest:
+            return self.read_body(rest)
+        if not self.chunked and not self.body_left:
+            self.message_done = True  # no body
+            receiver.body_done()
+        return b""
+
+    def read_body(self, data: bytes) -> bytes:
+        """Feed the current request's body; return the bytes after its end (a later request)."""
         if self.chunked:
             rest = self._feed_chunked(data)
         else:
@@ -246,10 +331,14 @@ class RequestReader(FrontExchange):
             self._feed(data)
             if not self.body_left:
                 self.message_done = True
-        if self.message_done:
-            self.body_done()
-            if rest:
-                self.data_received(rest)
+        if self.message_done and self.receiver is not None:
+            self.receiver.body_done()
+        return rest
+
+    def _body_failed(self, error: GatewayError) -> None:
+        self.message_done = True
+        if self.receiver is not None:
+            self.receiver.body_done(error)
 
     def _feed_chunked(self, data: bytes) -> bytes:
         """Feed a chunked body; return the bytes after its end.
@@ -280,15 +369,16 @@ class RequestReader(FrontExchange):
 
     def _feed(self, data: bytes) -> None:
         parser = self.parser
-        if not data or parser is None or self.body_error is not None:
+        receiver = self.receiver
+        if not data or parser is None or (receiver is not None and receiver.body_error):
             return
         size, trailers = self.body_size, self.trailers
         try:
             parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as e:
             error = malformed(e, str(e), 400)
-            log.debug("malformed request", peer=self.remote, error=error.message)
-            self.body_done(error)
+            log.debug("malformed request", error=error.message)
+            self._body_failed(error)
             return
         if self.body_size != size or self.trailers != trailers or self.message_done:
             self.quiet = 0
@@ -296,8 +386,8 @@ class RequestReader(FrontExchange):
         # Only chunk framing or a trailer line not yet ended, which the parser holds whole
         # until its end: bounded as a header line is (within one read).
         self.quiet += len(data)
-        if self.quiet > self.front.limits.max_header_bytes:
-            self.body_done(_too_large())
+        if self.quiet > self.limits.max_header_bytes:
+            self._body_failed(_too_large())
 
 
 def _too_large() -> MalformedRequest:

@@ -10,8 +10,8 @@
 The relay handler (`Routes.relay_exchange`) reads top-down: read the body, build the
 `RequestInfo`, take a lease on a worker, relay. It is written once against
 `exchange.Exchange`: front.py serves most relay requests with it, aiohttp the others
-(`relay_request`). Errors become OpenAI error bodies through `errors.error_response`:
-`error_middleware` on aiohttp's path, `front.Front.answer_error` on the front path.
+(`relay_request`). Both reach it through `gate.Gate.serve`, which admits the client key and
+turns every error into an OpenAI error body (and fires `ERROR_HOOKS`).
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ from vllm_gateway.errors import (
     UpstreamError,
     error_response,
 )
+from vllm_gateway.http.aiohttp_exchange import EXCHANGE, AiohttpExchange
 from vllm_gateway.http.cors import Cors
 from vllm_gateway.log import bind_request, clear_request, get_logger
-from vllm_gateway.proxy.exchange import REQUEST_ID, AiohttpExchange, Exchange
+from vllm_gateway.proxy.exchange import Exchange, Headers
 from vllm_gateway.proxy.relay import Relay
 from vllm_gateway.workers import Worker, WorkerRegistry, WorkerState
 
@@ -69,7 +70,10 @@ def is_model_path(path: str) -> bool:
 
 
 def has_dot_segment(path: str) -> bool:
-    """Does the (decoded) `path` have a `.` or `..` segment?"""
+    """Does the (decoded) `path` have a `.` or `..` segment, or a backslash (`%5c`), which
+    some servers and proxies take for a `/`?"""
+    if "\\" in path:
+        return True
     return "/." in path and any(segment in (".", "..") for segment in path.split("/"))
 
 
@@ -113,41 +117,9 @@ def json_response(doc: object, status: int = 200) -> web.Response:
 
 # Called with (error, method, path, request id) for every error the gateway answers itself,
 # after the fact (telemetry counts them, the access log writes them), on either path
-# (front.py answers the relay requests it serves). Only the error path pays for it.
+# (gate.Gate.fire). Only the error path pays for it.
 ErrorHook = Callable[[GatewayError, str, str, str | None], None]
 ERROR_HOOKS = web.AppKey("error_hooks", list[ErrorHook])
-
-
-@web.middleware
-async def error_middleware(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Turn every error the gateway answers itself into an OpenAI error body."""
-    try:
-        return await handler(request)
-    except GatewayError as e:
-        err = e
-    except web.HTTPRequestEntityTooLarge as e:
-        err = BodyTooLarge(f"The request body is too large: {e.text}")
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        if e.status == 405:
-            allow = e.headers.get("Allow", "")
-            err = RouteNotFound(
-                f"{request.method} {request.path} is not served here; it answers {allow}.",
-                405,
-                allow=allow,
-            )
-        elif e.status == 404:
-            err = RouteNotFound(f"{request.method} {request.path} is not served here.")
-        else:
-            err = GatewayError(e.reason)
-            err.status = e.status
-    request_id = request.get(REQUEST_ID)
-    for hook in request.app.get(ERROR_HOOKS, ()):
-        hook(err, request.method, request.path, request_id)
-    return error_response(err, request_id)
 
 
 def cors_headers(cors: Cors) -> Callable[[web.BaseRequest, web.StreamResponse], Awaitable[None]]:
@@ -164,9 +136,24 @@ def cors_headers(cors: Cors) -> Callable[[web.BaseRequest, web.StreamResponse], 
     return add_headers
 
 
+def cors_answer_headers(cors: Cors) -> Callable[[Exchange], Headers]:
+    """CORS through the gate's seam for headers on every answer (`gate.Gate.answer_headers`):
+    the front path's answers, relayed answers and error answers on both paths."""
+
+    def answer_headers(ex: Exchange) -> Headers:
+        headers = ex.headers  # parsed once: the relay handler reads them too
+        origin = headers.get("Origin")
+        if origin is None:
+            return []
+        pairs = cors.answer_headers(origin, "Cookie" in headers)
+        return [(n.encode(), v.encode("latin-1")) for n, v in pairs]
+
+    return answer_headers
+
+
 def cors_preflight(cors: Cors) -> Middleware:
-    """The middleware answering CORS preflights on any path; it goes before client keys (a
-    browser's preflight carries no credentials)."""
+    """The middleware answering CORS preflights on any path; it runs inside the gate, which
+    admits no client key for a preflight (a browser's preflight carries no credentials)."""
 
     @web.middleware
     async def answer_preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -229,10 +216,13 @@ class Routes:
     async def relay_request(self, request: web.Request) -> web.StreamResponse:
         """aiohttp's handler for the relay paths: the requests front.py handed to aiohttp."""
         if has_dot_segment(request.path):
-            # aiohttp decodes `%2e%2e` to `..`; relayed, a worker behind a proxy that
-            # resolves dot segments could be reached outside the model paths.
-            raise RouteNotFound("Dot segments (`.`, `..`, or encoded) are not relayed.")
-        exchange = AiohttpExchange(request)
+            # aiohttp decodes `%2e%2e` to `..` and `%5c` to `\\`; relayed, a worker behind a
+            # proxy that resolves dot segments (or takes `\\` for `/`) could be reached
+            # outside the model paths.
+            raise RouteNotFound(
+                "Dot segments (`.`, `..`, or encoded) and backslashes are not relayed."
+            )
+        exchange = request.get(EXCHANGE) or AiohttpExchange(request)
         await self.relay_exchange(exchange)
         assert exchange.response is not None  # relay answers or raises
         return exchange.response

@@ -18,7 +18,9 @@ from aiohttp import web
 from vllm_gateway.config.gateway import ClientConfig
 from vllm_gateway.http.client_protocol import ClientRunner
 from vllm_gateway.http.front import FRONT
-from vllm_gateway.http.routes import ERROR_HOOKS
+from vllm_gateway.http.front_reader import FrontLimits
+from vllm_gateway.http.gate import GATE
+from vllm_gateway.http.guard import ConnectionLimit
 
 
 class RunningServer:
@@ -70,12 +72,14 @@ async def start_server(
     client = client or ClientConfig()
     front = app.get(FRONT)  # the gateway's own protocol for relay requests (front.py)
     if front is not None:
-        front.limits = client
+        front.limits = FrontLimits.of(client, front.limits.max_body_bytes)
+    gate = app.get(GATE)  # refusals of malformed HTTP are counted too (its error hooks)
     runner = ClientRunner(
         app,
         front=front,
-        # refusals of malformed HTTP are counted too
-        error_hooks=app.get(ERROR_HOOKS, []),
+        gate=gate,
+        limit=ConnectionLimit(client.max_connections, gate),
+        max_head_bytes=client.max_head_bytes,
         handler_cancellation=True,  # a departed client cancels its handler (and the relay)
         access_log=None,  # the gateway writes its own, structured and opt-in
         shutdown_timeout=shutdown_timeout,

@@ -5,16 +5,17 @@ client: a relay does not need a `ClientResponse`, a payload `StreamReader` or a 
 wake-up per chunk. The worker's bytes go through httptools' parser (llhttp, the C parser
 uvloop and uvicorn use; callbacks carry plain bytes and it tells where a message ends) and,
 once the client's response is committed, straight from `data_received` to the client's
-transport: everything that arrived in one read becomes one write (one chunk when
-re-framed for a chunked response). The relay's task sleeps until the exchange ends, fails,
+exchange (`exchange.BodySink`): everything that arrived in one read becomes one write,
+framed by the exchange as its answer needs. The relay's task sleeps until the exchange ends, fails,
 times out or must wait for a slow client; it is not woken per chunk.
 
     conn.send(head, body)                 the request bytes, written at once
     await conn.wait_head(limit)           status, reason, headers; body bytes may follow
-    conn.attach(transport, chunked=...)   from now on body bytes go to the client
+    conn.attach(sink)                     from now on body bytes go to the client
     await conn.wait_body(idle, total_at)  True at the end; False: paused for backpressure
 
-Backpressure: when the client's transport buffers more than its high-water mark, reading
+Backpressure: when the client's transport buffers more than its high-water mark (the
+sink's `write` says so), reading
 from the worker pauses (the kernel's socket buffers then push back on the worker) until
 the relay has drained the client; memory per stream stays bounded by that mark.
 
@@ -30,6 +31,8 @@ import time
 
 import httptools
 
+from vllm_gateway.proxy.exchange import BodySink
+
 # Why an exchange failed (also the lease outcomes they become).
 BROKEN = "broken"
 TIMEOUT = "timeout"
@@ -40,7 +43,7 @@ PENDING_LIMIT = 1 << 20
 # The body's last bytes are kept (`tail`) to see how a stream ended: "data: [DONE]" and its
 # line endings, with room to spare (bytes).
 TAIL = 32
-# Chunks at least this big are written as three buffers instead of copied into one.
+# A request body at least this big is written beside the head rather than copied onto it.
 _COPY_LIMIT = 16 * 1024
 
 
@@ -56,14 +59,12 @@ class UpstreamConnection(asyncio.Protocol):
         "_waiter",
         "body_bytes",
         "busy",
-        "chunked_out",
         "complete",
         "content_length",
         "content_type",
         "error",
         "first_body_at",
         "headers",
-        "high_water",
         "idle_since",
         "keep_alive",
         "key",
@@ -113,9 +114,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.tail = b""  # the last body bytes relayed (to end an event stream cleanly)
         self.body_bytes = 0  # body bytes received so far (telemetry, access log)
         self.first_body_at = 0.0  # time.monotonic() of the first body byte; 0.0: none yet
-        self.sink: asyncio.Transport | None = None
-        self.chunked_out = False
-        self.high_water = 0
+        self.sink: BodySink | None = None
         self.paused = False  # reading paused until the client drains
         self._held = False  # reading paused until the response is committed
         self.last_data = 0.0
@@ -228,11 +227,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._keep_tail(data)
         return data
 
-    def attach(self, sink: asyncio.Transport, *, chunked: bool) -> None:
-        """Send body bytes from now on straight to `sink`, re-framed as chunks if `chunked`."""
+    def attach(self, sink: BodySink) -> None:
+        """Send body bytes from now on straight to `sink` (the client's answer)."""
         self.sink = sink
-        self.chunked_out = chunked
-        self.high_water = sink.get_write_buffer_limits()[1]
         if self.out:
             self._flush()
         if self._held and not self.paused and self.transport is not None:
@@ -301,18 +298,9 @@ class UpstreamConnection(asyncio.Protocol):
         self._keep_tail(data)
         sink = self.sink
         assert sink is not None
-        if sink.is_closing():
-            # The client is gone; its handler is being cancelled and will close us.
-            if self.transport is not None:
-                self.transport.pause_reading()
-            return
-        if not self.chunked_out:
-            sink.write(data)
-        elif len(data) < _COPY_LIMIT:
-            sink.write(b"%x\r\n%b\r\n" % (len(data), data))
-        else:
-            sink.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
-        if sink.get_write_buffer_size() > self.high_water and not self.complete:
+        if sink.write(data) and not self.complete:
+            # The client's buffer is over its high-water mark (or the client is gone): stop
+            # reading the worker; the relay drains the client, then `resume`s.
             self.paused = True
             if self.transport is not None:
                 self.transport.pause_reading()

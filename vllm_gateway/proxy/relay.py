@@ -44,7 +44,7 @@ from vllm_gateway.errors import (
 from vllm_gateway.log import get_logger
 from vllm_gateway.proxy import connection
 from vllm_gateway.proxy.connection import UpstreamConnection
-from vllm_gateway.proxy.exchange import Exchange, Headers
+from vllm_gateway.proxy.exchange import BodySink, Exchange, Headers
 from vllm_gateway.proxy.pool import UpstreamPool
 
 log = get_logger("vllm_gateway.relay")
@@ -215,27 +215,24 @@ class Relay:
                 # The whole answer is here: one write for head and body.
                 await ex.answer(conn.status, conn.reason, headers, conn.body_so_far())
                 return
-            chunked = await ex.begin(
+            sink = await ex.start_response(
                 conn.status, conn.reason, headers, conn.content_length, conn.body_so_far()
             )
             del headers
-            transport = ex.transport
-            if transport is None:
-                raise ConnectionResetError("the client went away")
-            conn.attach(transport, chunked=chunked)
+            conn.attach(sink)
             try:
-                await self._relay_body(ex, conn, lease)
+                await self._relay_body(sink, conn, lease)
             except asyncio.CancelledError:
                 if not self.closing:
                     raise
                 lease.outcome = dispatch.SHUTDOWN
                 message = "The gateway is shutting down; the answer was cut short."
-                await self._end_early(ex, conn, message, chunked)
+                await self._end_early(ex, sink, conn, message)
                 return
             if conn.error is None and _ended_well(lease, conn):
-                await ex.end()
+                await sink.end()
             else:
-                await self._cut_short(ex, conn, lease, chunked)
+                await self._cut_short(ex, sink, conn, lease)
         finally:
             lease.first_byte = conn.first_body_at  # for telemetry and the access log
             lease.bytes = conn.body_bytes
@@ -243,7 +240,7 @@ class Relay:
             # rather than returned to the pool, so the worker sees the abort.
             self.pool.release(conn)
 
-    async def _relay_body(self, ex: Exchange, conn: UpstreamConnection, lease: Lease) -> None:
+    async def _relay_body(self, sink: BodySink, conn: UpstreamConnection, lease: Lease) -> None:
         t = self.timeouts
         total_at = None
         if t.total:
@@ -253,21 +250,18 @@ class Relay:
             # The client reads slower than the worker writes: wait until it drained, within
             # the idle limit. A client that stops reading is let go (abort: a close would
             # wait to flush to a reader that is gone), and the worker's request aborted.
+            # A client that went away: drain raises ConnectionResetError.
             limit = _within(t.idle, t.total, lease.started)
             try:
                 async with asyncio.timeout(limit):
-                    await ex.drain()
+                    await sink.drain()
             except TimeoutError:
-                if ex.transport is not None:
-                    ex.transport.abort()
+                sink.abort()
                 raise ConnectionResetError(f"The client read nothing for {limit:g} s.") from None
-            transport = ex.transport
-            if transport is None or transport.is_closing():
-                raise ConnectionResetError("the client went away")
             conn.resume()
 
     async def _cut_short(
-        self, ex: Exchange, conn: UpstreamConnection, lease: Lease, chunked: bool
+        self, ex: Exchange, sink: BodySink, conn: UpstreamConnection, lease: Lease
     ) -> None:
         """End a response whose headers already went out, so the client sees it failed.
 
@@ -292,21 +286,23 @@ class Relay:
         else:
             lease.outcome = dispatch.BROKEN
             message = f"Worker {url} failed mid-answer: it {what}."
-        await self._end_early(ex, conn, message, chunked)
+        await self._end_early(ex, sink, conn, message)
 
     @staticmethod
     async def _end_early(
-        ex: Exchange, conn: UpstreamConnection, message: str, chunked: bool
+        ex: Exchange, sink: BodySink, conn: UpstreamConnection, message: str
     ) -> None:
         log.warning("relay cut short", reason=message)
-        if chunked and conn.content_type.startswith(b"text/event-stream"):
-            # Start a new event even if the worker stopped in the middle of one.
+        if conn.content_length is None and conn.content_type.startswith(b"text/event-stream"):
+            # A stream without a length ends where the exchange says (its last chunk, or
+            # the connection's end): an SSE error event first, as a new event even if the
+            # worker stopped in the middle of one.
             event = sse_error_event(message)
             tail = conn.tail
             if tail and not tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r")):
                 event = b"\n\n" + event
-            await ex.write(event)
-            await ex.end()
+            sink.write(event)
+            await sink.end()
             return
         ex.cut()
 
