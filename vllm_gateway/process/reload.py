@@ -29,6 +29,8 @@ RESTART_ONLY = (
     "client.header_timeout",
     "client.max_header_bytes",
     "client.max_headers",
+    "client.max_head_bytes",
+    "client.max_connections",
     "client.front_path",
     "cors",
     "auth.forward_authorization",
