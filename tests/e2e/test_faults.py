@@ -24,6 +24,7 @@ from vllm_gateway.app import DISPATCHER, REGISTRY
 from vllm_gateway.config.gateway import ProbeConfig, RetryConfig, TimeoutConfig
 from vllm_gateway.fake_worker import FakeWorker
 from vllm_gateway.http.server import RunningServer
+from vllm_gateway.http.wire import TransportSink
 from vllm_gateway.proxy.pool import UpstreamPool
 
 pytestmark = pytest.mark.timeout(30)
@@ -455,7 +456,8 @@ class _Client:
 async def test_a_connection_paused_for_a_departed_client_is_read_again_in_the_pool():
     """The soak's hung requests: a client left just as the worker's last bytes arrived, so
     reading paused for it on an answer that was complete; the connection went back to the
-    pool still paused, and the next request on it waited for an answer nobody read."""
+    pool still paused, and the next request on it waited for an answer nobody read. Now a
+    complete answer never pauses reading, and a connection back in the pool reads again."""
     go = asyncio.Event()
 
     async def script(t, body):
@@ -475,11 +477,12 @@ async def test_a_connection_paused_for_a_departed_client_is_read_again_in_the_po
         conn.send(head % 2, b"{}")
         await asyncio.wait_for(conn.wait_head(None), 2)
         client = _Client()
-        conn.attach(client, chunked=True)  # type: ignore[arg-type]
+        conn.attach(TransportSink(client, chunked=True))  # type: ignore[arg-type]
         client.closing = True  # the client leaves...
         go.set()  # ...as the rest of the answer arrives, whole
         await wait_until(lambda: conn.complete, timeout=3)
-        assert conn.transport is not None and not conn.transport.is_reading()  # the race
+        assert conn.transport is not None and conn.transport.is_reading()  # no pause: complete
+        conn.transport.pause_reading()  # as any pause left for this exchange would
         pool.release(conn)
         assert conn.reusable and conn.transport.is_reading()  # read again once idle
         again = await pool.acquire(worker.url)

@@ -4,8 +4,8 @@ Those are the relay requests the front path handed over (`Expect`, `Content-Enco
 HTTP/1.0, ...) and every request of an app served without the front path. A whole answer is
 a `web.Response` (head and body in one write); a streamed one a `web.StreamResponse` whose
 framing aiohttp chose at `prepare` (a length, chunks on HTTP/1.1, the connection's end on
-HTTP/1.0), after which the exchange is its own `BodySink`: body bytes go to the transport
-framed the same way (wire.write_body), and `end` lets aiohttp write the last chunk.
+HTTP/1.0), after which an `AiohttpSink` takes the body: bytes go to the transport framed
+the same way (wire.TransportSink), and `end` lets aiohttp write the last chunk.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from vllm_gateway.errors import BadRequest, BodyTooLarge
-from vllm_gateway.http.wire import write_body
+from vllm_gateway.http.wire import TransportSink
 from vllm_gateway.proxy.exchange import Headers
 
 # The request id, on aiohttp's request (tests find a request's objects by it).
@@ -28,15 +28,12 @@ _NO_HEADERS: Headers = []
 class AiohttpExchange:
     """`Exchange` over aiohttp's request (module docstring); its answer is `response`."""
 
-    __slots__ = ("chunked", "extra_headers", "high_water", "request", "response", "transport")
+    __slots__ = ("extra_headers", "request", "response")
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.response: web.StreamResponse | None = None
         self.extra_headers = _NO_HEADERS
-        self.transport: asyncio.Transport | None = None  # the client's, once streaming
-        self.chunked = False
-        self.high_water = 0
 
     @property
     def method(self) -> str:
@@ -131,23 +128,24 @@ class AiohttpExchange:
 
     async def start_response(
         self, status: int, reason: bytes, headers: Headers, length: int | None, first: bytes
-    ) -> AiohttpExchange:
+    ) -> AiohttpSink:
         response = self.response = web.StreamResponse(
             status=status, reason=reason.decode("latin-1") or None, headers=self._headers(headers)
         )
+        chunked = False
         if length is not None:
             response.content_length = length
         elif self.request.version >= (1, 1):
             response.enable_chunked_encoding()
-            self.chunked = True
+            chunked = True
         await response.prepare(self.request)  # the head, framed by aiohttp
-        transport = self.transport = self.request.transport
+        transport = self.request.transport
         if transport is None:
             raise ConnectionResetError("the client went away")
-        self.high_water = transport.get_write_buffer_limits()[1]
+        sink = AiohttpSink(transport, chunked, self.request, response)
         if first:
-            write_body(transport, first, self.chunked)
-        return self
+            sink.write(first)
+        return sink
 
     def cut(self) -> None:
         if self.response is not None:
@@ -155,29 +153,31 @@ class AiohttpExchange:
         if self.request.transport is not None:
             self.request.transport.close()
 
-    # --- the BodySink of a streamed answer -------------------------------------------------
 
-    def write(self, data: bytes) -> bool:
-        transport = self.transport
-        if transport is None or transport.is_closing():
-            return True  # the client is gone: drain says so
-        write_body(transport, data, self.chunked)
-        return transport.get_write_buffer_size() > self.high_water
+class AiohttpSink(TransportSink):
+    """The body of a streamed answer on aiohttp's path (module docstring)."""
+
+    __slots__ = ("request", "response")
+
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        chunked: bool,
+        request: web.Request,
+        response: web.StreamResponse,
+    ) -> None:
+        super().__init__(transport, chunked)
+        self.request = request
+        self.response = response
 
     async def drain(self) -> None:
-        transport = self.transport
-        if transport is not None and not transport.is_closing():
+        if not self.transport.is_closing():
             await self.request.writer.drain()
-        if transport is None or transport.is_closing():
+        if self.transport.is_closing():
             raise ConnectionResetError("the client went away")
 
     async def end(self) -> None:
-        assert self.response is not None
-        await self.response.write_eof()
-
-    def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
+        await self.response.write_eof()  # aiohttp's writer writes the last chunk
 
 
 # The exchange of a request, set by the gate's middleware for the relay handler.

@@ -4,9 +4,9 @@
 It holds what the relay handler reads of the request (path, headers, the body as the
 connection's reader delivers it) and writes the answer on the client's transport as aiohttp
 would frame it (wire.py): whole (`answer`), or a head and then body bytes, re-framed as
-chunks when the worker gave no length (`start_response`; the exchange is its own
-`BodySink`). Backpressure is the transport's own flow control, which the connection passes
-on through a `FlowControl` shared by its exchanges; `drain` waits on it.
+chunks when the worker gave no length (`start_response`, which gives a `FrontSink`).
+Backpressure is the transport's own flow control, which the connection passes on through a
+`FlowControl` shared by its exchanges; the sink's `drain` waits on it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,14 @@ from collections.abc import Mapping
 from multidict import CIMultiDict
 
 from vllm_gateway.errors import GatewayError
-from vllm_gateway.http.wire import COPY_LIMIT, NO_BODY, DateHeader, render_head, write_body
+from vllm_gateway.http.wire import (
+    COPY_LIMIT,
+    NO_BODY,
+    DateHeader,
+    TransportSink,
+    chunk,
+    render_head,
+)
 from vllm_gateway.proxy.exchange import Headers
 
 # A request body is kept as the pieces the parser gives, up to this many (the common body
@@ -73,13 +80,11 @@ class FrontExchange:
         "answer_started",
         "body_error",
         "body_parts",
-        "chunked",
         "close_after",
         "content_length",
         "date",
         "extra_headers",
         "flow",
-        "high_water",
         "keep_alive",
         "message_done",
         "path",
@@ -120,8 +125,6 @@ class FrontExchange:
         self.close_after = False  # the connection closes once this answer is out
         self.answer_started = False
         self.answer_done = False
-        self.chunked = False
-        self.high_water = 0
 
     # --- the body, as the connection's reader delivers it ----------------------------------
 
@@ -201,17 +204,15 @@ class FrontExchange:
     def _head(
         self, status: int, reason: bytes, headers: Headers, length: int | None, chunked: bool
     ) -> bytes:
-        if self.extra_headers:
-            headers = headers + self.extra_headers
         return render_head(
             status,
             reason,
-            headers,
+            headers + self.extra_headers if self.extra_headers else headers,
             date=self.date,
             request_id=self.request_id,
             length=length,
             chunked=chunked,
-            close=self.answer_closes,
+            close=self.close_after or not self.keep_alive or not self.message_done,
         )
 
     def _send(self, data: bytes, body: bytes = b"") -> None:
@@ -225,7 +226,7 @@ class FrontExchange:
 
     @property
     def answer_closes(self) -> bool:
-        """Does the connection end after this answer?"""
+        """Does the connection end after this answer (connection's `_served` asks)?"""
         return self.close_after or not self.keep_alive or not self.message_done
 
     async def answer(
@@ -244,42 +245,40 @@ class FrontExchange:
 
     async def start_response(
         self, status: int, reason: bytes, headers: Headers, length: int | None, first: bytes
-    ) -> FrontExchange:
+    ) -> FrontSink:
         no_body = status in NO_BODY or status < 200
-        chunked = self.chunked = length is None and not no_body
+        chunked = length is None and not no_body
         head = self._head(status, reason, headers, None if no_body else length, chunked)
         self.answer_started = True
-        self.high_water = self.transport.get_write_buffer_limits()[1]
-        if first and chunked:
-            self._send(head, b"%x\r\n%b\r\n" % (len(first), first))
-        else:
-            self._send(head, first)
-        return self
+        self._send(head, chunk(first) if first and chunked else first)
+        return FrontSink(self, chunked)
 
     def cut(self) -> None:
         self.close_after = True
         self.transport.close()
 
-    # --- the BodySink of a streamed answer -------------------------------------------------
 
-    def write(self, data: bytes) -> bool:
-        transport = self.transport
-        if transport.is_closing():
-            return True  # the client is gone: drain says so
-        write_body(transport, data, self.chunked)
-        return transport.get_write_buffer_size() > self.high_water
+class FrontSink(TransportSink):
+    """The body of a streamed answer on the front path: framed by `TransportSink`,
+    drained by the connection's flow control, ended by its exchange."""
+
+    __slots__ = ("exchange",)
+
+    def __init__(self, exchange: FrontExchange, chunked: bool) -> None:
+        super().__init__(exchange.transport, chunked)
+        self.exchange = exchange
 
     async def drain(self) -> None:
         if not self.transport.is_closing():
-            await self.flow.wait()
+            await self.exchange.flow.wait()
         if self.transport.is_closing():
             raise ConnectionResetError("the client went away")
 
     async def end(self) -> None:
         if self.chunked:
-            self._send(b"0\r\n\r\n")
-        self.answer_done = True
+            self.exchange._send(b"0\r\n\r\n")
+        self.exchange.answer_done = True
 
     def abort(self) -> None:
-        self.close_after = True
+        self.exchange.close_after = True
         self.transport.abort()

@@ -5,7 +5,8 @@
 the framing (`Transfer-Encoding: chunked` or `Content-Length`), and the defaults aiohttp's
 `StreamResponse` adds (`Content-Type: application/octet-stream` for a body, `Date`,
 `Server`), and `Connection: close` when the connection ends after this answer.
-`write_body` is the one place a body is framed as chunks.
+`TransportSink` (the base of both exchanges' `BodySink`s) is the one place a body is
+framed as chunks (`chunk` for a piece sent with the head).
 """
 
 from __future__ import annotations
@@ -111,11 +112,35 @@ def error_answer(error: GatewayError, date: DateHeader) -> bytes:
     return head + body
 
 
-def write_body(transport: asyncio.Transport, data: bytes, chunked: bool) -> None:
-    """Write body bytes, as one chunk when the body is `chunked`."""
-    if not chunked:
-        transport.write(data)
-    elif len(data) < COPY_LIMIT:
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-    else:
-        transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+def chunk(data: bytes) -> bytes:
+    """`data` as one chunk of a chunked body."""
+    return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+class TransportSink:
+    """Body bytes of a streamed answer, written to the client's transport: as they are, or
+    as one chunk per write when `chunked`. Subclasses say how to drain and end."""
+
+    __slots__ = ("chunked", "high_water", "transport")
+
+    def __init__(self, transport: asyncio.Transport, chunked: bool) -> None:
+        self.transport = transport
+        self.chunked = chunked
+        self.high_water = transport.get_write_buffer_limits()[1]
+
+    def write(self, data: bytes) -> bool:
+        """One write per call (the relay's one per read from the worker); True when the
+        client's transport buffers more than its high-water mark, or is closing."""
+        transport = self.transport
+        if transport.is_closing():
+            return True  # the client is gone: drain says so
+        if not self.chunked:
+            transport.write(data)
+        elif len(data) < COPY_LIMIT:
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        return transport.get_write_buffer_size() > self.high_water
+
+    def abort(self) -> None:
+        self.transport.abort()
