@@ -30,7 +30,7 @@ import hashlib
 import math
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from aiohttp import web
 
@@ -42,9 +42,6 @@ from vllm_gateway.log import get_logger
 from vllm_gateway.proxy.exchange import Exchange
 
 log = get_logger("vllm_gateway.auth")
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 
 def hash_key(key: str) -> str:
     """The hex SHA-256 of a key, as `[auth.keys."NAME"].sha256` holds it."""
@@ -100,7 +97,7 @@ def is_model_api(path: str) -> bool:
 
 
 class ClientKeys:
-    """The configured keys and the middleware that checks them."""
+    """The configured keys, and the check every guarded request passes (`admit`)."""
 
     def __init__(
         self,
@@ -149,7 +146,7 @@ class ClientKeys:
     def admit(self, request: Exchange | web.Request) -> ClientKey | None:
         """Check a request's key and count it against the key's limits: the key to `release`
         when the request ends, None when the request needs no key. Raises Unauthorized or
-        RateLimited. Both serving paths call this (the middleware below, and front.py)."""
+        RateLimited. Both serving paths call this, through gate.Gate.serve."""
         if not self.keys or not self.guarded(request.path):
             return None
         key = self.authenticate(request)
@@ -165,12 +162,3 @@ class ClientKeys:
     def release(key: ClientKey | None) -> None:
         if key is not None:
             key.inflight -= 1
-
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Check the key of every guarded request and hold its limits while it runs."""
-        key = self.admit(request)
-        try:
-            return await handler(request)
-        finally:
-            self.release(key)
