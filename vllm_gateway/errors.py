@@ -25,8 +25,10 @@
             ├── WorkerRefused       503, retryable: the worker answered 503/429 (not relayed)
             └── UpstreamTimeout     504
 
-Only `GatewayError`s become HTTP answers, and only `error_response` builds them, so every
-error a client sees has the OpenAI shape `{"error": {"message", "type", "param", "code"}}`.
+Only `GatewayError`s become HTTP answers, and only `error_parts` maps them (to a status,
+headers and body: `error_response` for aiohttp, `http.wire` for the gateway's own writers),
+so every error a client sees has the OpenAI shape
+`{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
@@ -218,8 +220,8 @@ def error_parts(
 
 
 def error_response(exc: GatewayError, request_id: str | None = None) -> web.Response:
-    """The one place a `GatewayError` becomes an aiohttp response (front.py writes the same
-    parts itself)."""
+    """A `GatewayError` as an aiohttp response, for refusals before a request exists
+    (http/client_protocol.py); requests get theirs through `http.gate.Gate.answer_error`."""
     status, headers, body = error_parts(exc, request_id)
     response = web.Response(
         status=status, body=body, content_type="application/json", headers=headers
