@@ -113,6 +113,7 @@ async def test_connections_past_max_connections_get_503_and_are_closed(
         finally:
             writer.close()
         assert refused.status == 503 and refused.headers["retry-after"] == "1"
+        assert refused.error()["code"] == "too_many_connections"
         assert "connections" in orjson.loads(refused.body)["error"]["message"]
         held.pop().close()  # one leaves: room for one more
         await asyncio.sleep(0.2)

@@ -56,6 +56,8 @@ def too_many_connections(limit: int) -> GatewayError:
         f"Too many open connections to this gateway process (limit {limit}); retry later."
     )
     error.status = 503
+    error.type = "server_error"
+    error.code = "too_many_connections"  # counted apart in /metrics' errors by code
     error.retry_after = 1.0
     error.closes_connection = True
     return error
