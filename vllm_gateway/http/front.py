@@ -73,8 +73,6 @@ READ_LIMIT = 1 << 16
 # Serves one request on its exchange, answering every error itself (gate.Gate.serve with
 # the relay handler).
 Serve = Callable[[FrontExchange], Awaitable[None]]
-# Makes aiohttp's protocol for a connection handed over (client_protocol.ClientServer).
-HandOff = Callable[[], asyncio.Protocol]
 
 
 class Connections(set["FrontConnection"]):
@@ -115,7 +113,7 @@ class Front:
             self.date,
             self.connections,
             server.limit,
-            lambda: server.aiohttp_protocol(counted=True),
+            server,
         )
 
     def pre_shutdown(self) -> None:
@@ -154,7 +152,6 @@ class FrontConnection(asyncio.Protocol):
         "date",
         "exchange",
         "flow",
-        "hand_off",
         "handed_off",
         "idle_until",
         "limit",
@@ -164,6 +161,7 @@ class FrontConnection(asyncio.Protocol):
         "read_paused",
         "reader",
         "serve",
+        "server",
         "task",
         "transport",
     )
@@ -175,14 +173,14 @@ class FrontConnection(asyncio.Protocol):
         date: DateHeader,
         connections: Connections,
         limit: ConnectionLimit,
-        hand_off: HandOff,
+        server: ClientServer,
     ) -> None:
         self.serve = serve
         self.limits = limits
         self.date = date
         self.connections = connections  # the front path's open ones, with its counters
         self.limit = limit  # the process's connection limit
-        self.hand_off = hand_off
+        self.server = server  # builds aiohttp's protocol for a hand-over (shared by all)
         self.loop = asyncio.get_running_loop()
         self.reader = RequestReader(self.limits)
         self.flow = FlowControl(self.loop)
@@ -375,7 +373,8 @@ class FrontConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        protocol = self.hand_off()  # counted already: it releases the count when it ends
+        # Counted already: aiohttp's protocol (its guard) releases the count when it ends.
+        protocol = self.server.aiohttp_protocol(counted=True)
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
         if self.flow.paused:
