@@ -315,7 +315,7 @@ class FrontConnection(asyncio.Protocol):
         if not ex.message_done or ex.body_error is not None:
             self._linger(transport)  # the client may still be sending the body
             return
-        if self.closing or ex.answer_closes:
+        if self.closing or ex.close_after or not ex.keep_alive:
             transport.close()
             return
         reader = self.reader

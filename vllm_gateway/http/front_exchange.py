@@ -224,11 +224,6 @@ class FrontExchange:
         else:
             transport.writelines((data, body))
 
-    @property
-    def answer_closes(self) -> bool:
-        """Does the connection end after this answer (connection's `_served` asks)?"""
-        return self.close_after or not self.keep_alive or not self.message_done
-
     async def answer(
         self, status: int, reason: bytes, headers: Headers, body: bytes, *, close: bool = False
     ) -> None:

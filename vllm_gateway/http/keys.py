@@ -43,6 +43,7 @@ from vllm_gateway.proxy.exchange import Exchange
 
 log = get_logger("vllm_gateway.auth")
 
+
 def hash_key(key: str) -> str:
     """The hex SHA-256 of a key, as `[auth.keys."NAME"].sha256` holds it."""
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()

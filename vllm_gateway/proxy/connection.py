@@ -295,7 +295,9 @@ class UpstreamConnection(asyncio.Protocol):
         data = out[0] if len(out) == 1 else b"".join(out)
         out.clear()
         self.out_size = 0
-        self._keep_tail(data)
+        # _keep_tail, inlined: this runs once per read from the worker (and the sink's write
+        # is a call of its own).
+        self.tail = data if len(data) >= TAIL else (self.tail + data)[-TAIL:]
         sink = self.sink
         assert sink is not None
         if sink.write(data) and not self.complete:
