@@ -49,8 +49,16 @@ class Gate:
 
     async def serve(self, ex: Exchange, handle: Handle) -> None:
         """Handle one request on `ex`; every error becomes its answer (module docstring)."""
-        if self.answer_headers:
-            ex.extra_headers = [h for provider in self.answer_headers for h in provider(ex)]
+        providers = self.answer_headers
+        if providers:
+            # One provider (CORS) is the common case; a request without an Origin gets none.
+            extra = (
+                providers[0](ex)
+                if len(providers) == 1
+                else [h for provider in providers for h in provider(ex)]
+            )
+            if extra:
+                ex.extra_headers = extra
         keys = self.keys
         try:
             # A browser's CORS preflight carries no credentials: no key is asked of it.
