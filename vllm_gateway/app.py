@@ -25,8 +25,9 @@ from vllm_gateway.config.gateway import (
     ScrapeConfig,
 )
 from vllm_gateway.config.section import Configurable, Section
+from vllm_gateway.control.access import is_loopback
 from vllm_gateway.control.admin import AdminApi
-from vllm_gateway.control.registration import Registration
+from vllm_gateway.control.registration import Registration, loopback_only
 from vllm_gateway.dispatch.aliases import AliasTable, check_alias
 from vllm_gateway.dispatch.dispatcher import Dispatcher
 from vllm_gateway.dispatch.policies import Policy, check_policy_name, make_policy
@@ -249,6 +250,7 @@ def build_gateway(
         aliases,
         body_timeout=config.client.body_timeout,
         cors=Cors(config.cors),
+        lora_updates=config.auth.lora_updates,
     )
     admission = admission_view(dispatcher.admission)
     autoscaler = Autoscaler(
@@ -261,6 +263,7 @@ def build_gateway(
     _add_sources(g)
     g.status = StatusViews(config, g.metrics, registry, dispatcher, scraper, g.reloads, time.time())
     g.status.autoscaler, g.status.registration = autoscaler, g.registration
+    g.status.prober = prober
     g.followers = [g.sources[0], *_sections(g), *g.sources[1:]]
     dispatcher.on_release.extend([breaker.on_release, g.metrics.observe, fleet.on_release])
     g.error_hooks.append(g.metrics.observe_error)
@@ -271,7 +274,7 @@ def build_gateway(
 def _add_sources(g: Gateway) -> None:
     """Where workers come from: the config file, registration, the admin API, discovery."""
     config = g.config
-    registration = Registration(g.fleet, g.dispatcher, g.aliases, config.registration)
+    registration = Registration(g.fleet, g.dispatcher, g.aliases, config.registration, config.host)
     admin = AdminApi(
         g.fleet,
         g.aliases,
@@ -319,6 +322,12 @@ def _sections(g: Gateway) -> list[Configurable]:
             "autoscale settings changed",
         ),
         # Read from `Gateway.config` when the next stop begins (daemon.py).
+        Section(
+            c,
+            lambda c: c.auth.lora_updates,
+            _assign(g.routes, "lora_updates"),
+            lambda old, new: [f"auth.lora_updates: {new}"],
+        ),
         Section(c, lambda c: c.lifecycle, lambda old, new: None, "lifecycle settings changed"),
     ]
 
@@ -436,8 +445,15 @@ def check_scale_rules(config: GatewayConfig) -> list[str]:
 
 
 def _warn_if_registration_open(config: GatewayConfig) -> None:
-    """Registration without a token is fine on loopback, and worth a warning elsewhere."""
-    if not config.registration.token and config.host not in ("127.0.0.1", "::1", "localhost"):
+    """Say at start how registration without a token is limited (or not) beyond loopback."""
+    if loopback_only(config.registration, config.host):
+        log.warning(
+            "registration accepts loopback clients only: no registration.token while the "
+            "gateway listens beyond loopback; set registration.token "
+            "(VLLM_GATEWAY_REGISTRATION_TOKEN), or registration.open_without_token = true",
+            host=config.host,
+        )
+    elif not config.registration.token and not is_loopback(config.host):
         log.warning(
             "registration needs no token while the gateway listens beyond loopback: "
             "anyone who reaches it may register a worker inside the allowed networks; "

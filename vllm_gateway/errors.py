@@ -10,9 +10,11 @@
         │   └── MalformedRequest 400/431 (not valid HTTP; answered by client_protocol.py)
         ├── Unauthorized        401
         ├── Forbidden           403
+        │   └── PathRefused     403 (a model path clients may not use, e.g. LoRA updates)
         ├── ModelNotFound       404 model_not_found
         ├── WorkerNotFound      404 worker_not_found (admin and registration APIs)
         ├── RouteNotFound       404 / 405 (no such endpoint or method)
+        ├── NotRegistered       409 (the registration API, on a worker of another source)
         ├── QueueFull           429 with Retry-After
         ├── RateLimited         429 with Retry-After (a client key's requests per minute)
         │   └── ConcurrencyLimited  429 (a client key's concurrent requests)
@@ -105,6 +107,10 @@ class Forbidden(GatewayError):
     type = "permission_error"
 
 
+class PathRefused(Forbidden):
+    code = "path_not_allowed"
+
+
 class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
@@ -128,6 +134,12 @@ class RouteNotFound(GatewayError):
         super().__init__(message)
         self.status = status
         self.allow = allow
+
+
+class NotRegistered(GatewayError):
+    status = 409
+    type = "invalid_request_error"
+    code = "worker_not_registered"
 
 
 class QueueFull(GatewayError):

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import wait_until
 from vllm_gateway.app import GATEWAY, REGISTRY
-from vllm_gateway.config.gateway import ModelConfig, TimeoutConfig, WorkerSpec
+from vllm_gateway.config.gateway import ModelConfig, ReloadConfig, TimeoutConfig, WorkerSpec
 from vllm_gateway.errors import ConfigError
 from vllm_gateway.process.reload import apply_config
 from vllm_gateway.workers import WorkerState
@@ -75,7 +75,9 @@ async def test_registered_workers_are_not_the_configs(fake_worker, gateway):
     gw = await gateway([a])
     registry = gw.app[REGISTRY]
     registry.add("http://127.0.0.1:9", models=("m",), source="registered")
-    apply_config(gw.app, with_workers(gw.app[GATEWAY].config))
+    # Removing the file's last worker must be meant (reload.allow_no_workers).
+    meant = ReloadConfig(allow_no_workers=True)
+    apply_config(gw.app, with_workers(gw.app[GATEWAY].config, reload=meant))
     assert registry.get("http://127.0.0.1:9") is not None
     assert registry.get(a.url) is None
 

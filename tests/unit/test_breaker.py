@@ -181,3 +181,23 @@ async def test_an_unreachable_worker_is_out_at_once_even_the_last_one(state):
     else:  # a draining worker stays draining (its drain decides when it leaves)
         assert worker.state is WorkerState.DRAINING
     assert worker.circuit is Circuit.CLOSED  # the circuit is the breaker's count, apart
+
+
+async def test_half_open_workers_are_not_others_that_can_serve():
+    """With the other workers half-open (one trial each, at most), the failing worker is
+    still the last one that takes the model's traffic: its circuit stays closed."""
+    registry, worker, dispatcher, breaker = setup(failures=2, open_seconds=60)
+    other = registry.get("http://w2")
+    third, _ = registry.add("http://w3", models=["m"])
+    registry.set_state(third, WorkerState.READY, "test")
+    for w in (other, third):
+        registry.set_circuit(w, Circuit.HALF_OPEN, "test")
+    assert other.available and third.available  # no trial out yet
+    for _ in range(3):  # 5xx answers (an unreachable worker is taken out by its state)
+        finish(breaker, dispatcher, worker, dispatch.OK, 500)
+    assert worker.circuit is Circuit.CLOSED
+    # Once one of them closes (its trial succeeded), the failing worker may open.
+    registry.set_circuit(other, Circuit.CLOSED, "test")
+    finish(breaker, dispatcher, worker, dispatch.OK, 500)
+    assert worker.circuit is Circuit.OPEN
+    breaker.stop()

@@ -50,6 +50,24 @@ class AdminConfig:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ReloadConfig:
+    """What a reload may take away. A truncated or emptied file is valid TOML that would
+    remove every static worker, open the API and close the admin API, so each of those
+    is refused on reload unless the new file says it is meant."""
+
+    allow_no_workers: bool = setting(
+        False,
+        "Let a reload remove the last of the config file's workers (an empty `workers`).",
+    )
+    allow_no_keys: bool = setting(
+        False, "Let a reload remove the last client API key (the API opens to everyone)."
+    )
+    allow_no_admin: bool = setting(
+        False, "Let a reload remove the admin token (the admin API turns off)."
+    )
+
+
 # Loopback and private networks (RFC 1918, RFC 4193). Not link-local: 169.254.169.254 is
 # the cloud metadata service, the classic target of a request-forgery attack.
 PRIVATE_NETWORKS = (
@@ -72,8 +90,14 @@ class RegistrationConfig:
     token: str = setting(
         "",
         "Bearer token a registering worker (or `vllm-gateway register`) must send. "
-        "Empty: no token needed (then keep the gateway's port off untrusted networks).",
+        "Empty: no token needed, but while the gateway listens beyond loopback only "
+        "loopback clients may register (see open_without_token).",
         secret=True,
+    )
+    open_without_token: bool = setting(
+        False,
+        "Without a token, accept registrations from any client even when the gateway "
+        "listens beyond loopback (anyone who reaches the port may then add a worker).",
     )
     allowed_networks: tuple[str, ...] = setting(
         PRIVATE_NETWORKS,

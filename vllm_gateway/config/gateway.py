@@ -23,6 +23,7 @@ from vllm_gateway.config.fleet import (  # noqa: F401 - re-exported, see above
     DnsName,
     KubernetesService,
     RegistrationConfig,
+    ReloadConfig,
     ScaleRule,
 )
 from vllm_gateway.config.settings import setting
@@ -209,6 +210,11 @@ class AuthConfig:
         "scrapes. Empty: none.",
         secret=True,
     )
+    lora_updates: bool = setting(
+        False,
+        "Relay clients' POST /v1/load_lora_adapter and /v1/unload_lora_adapter (off: 403; "
+        "any client could otherwise load or unload a worker's adapters).",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +258,13 @@ class ProbeConfig:
         unit="seconds",
         minimum=0.0,
     )
+    max_models_bytes: int = setting(
+        1 << 20,
+        "Longest /v1/models (or /health) page read from a worker; a longer one fails the probe.",
+        unit="bytes",
+        minimum=1024,
+        maximum=1 << 30,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,6 +279,13 @@ class ScrapeConfig:
         0.25, "Time between two scrapes of one worker.", unit="seconds", minimum=0.02
     )
     timeout: float = setting(1.0, "Limit on one scrape request.", unit="seconds", minimum=0.01)
+    max_page_bytes: int = setting(
+        4 << 20,
+        "Longest /metrics page read from a worker; a longer one fails the scrape.",
+        unit="bytes",
+        minimum=1024,
+        maximum=1 << 30,
+    )
     stale_after: float = setting(
         2.0,
         "A snapshot older than this is dropped; dispatch then counts only the gateway's "
@@ -424,4 +444,5 @@ class GatewayConfig:
         "(the body's model rewritten).",
     )
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    reload: ReloadConfig = field(default_factory=ReloadConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)

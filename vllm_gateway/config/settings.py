@@ -10,6 +10,7 @@ the declarations for the docs and `check-config`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -181,7 +182,7 @@ def _coerce_number(tp: type, value: Any, where: str, errors: list[str]) -> Any:
         return _BAD
     try:
         number = tp(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # int(inf) overflows
         errors.append(
             f"{where}: expected {'an integer' if tp is int else 'a number'}, got {value!r}"
         )
@@ -204,8 +205,14 @@ def _coerce_table(value_type: Any, value: Any, where: str, errors: list[str]) ->
     return table
 
 
+# A duration with no declared maximum may still not exceed this (about 115 days): beyond
+# it no timer means anything, and some clocks and libraries overflow on huge delays.
+MAX_SECONDS = 1e7
+
+
 def check_bounds(obj: Any, where: str, errors: list[str]) -> None:
-    """Note every value outside its declared choices, minimum or maximum."""
+    """Note every value outside its declared choices, minimum or maximum, and every number
+    that is not finite (NaN passes every comparison, so bounds alone would let it in)."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         name = f"{where}{f.name}"
@@ -226,10 +233,20 @@ def check_bounds(obj: Any, where: str, errors: list[str]) -> None:
         if meta.get("choices") and value not in meta["choices"]:
             errors.append(f"{name}: must be one of {', '.join(meta['choices'])}, got {value!r}")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if meta.get("minimum") is not None and value < meta["minimum"]:
-                errors.append(f"{name}: must be at least {meta['minimum']:g}, got {value!r}")
-            if meta.get("maximum") is not None and value > meta["maximum"]:
-                errors.append(f"{name}: must be at most {meta['maximum']:g}, got {value!r}")
+            _check_number(name, value, meta, errors)
+
+
+def _check_number(name: str, value: float, meta: Mapping[str, Any], errors: list[str]) -> None:
+    if not math.isfinite(value):
+        errors.append(f"{name}: must be a finite number, got {value!r}")
+        return
+    maximum = meta.get("maximum")
+    if maximum is None and meta.get("unit") == "seconds":
+        maximum = MAX_SECONDS
+    if meta.get("minimum") is not None and value < meta["minimum"]:
+        errors.append(f"{name}: must be at least {meta['minimum']:g}, got {value!r}")
+    if maximum is not None and value > maximum:
+        errors.append(f"{name}: must be at most {maximum:g}, got {value!r}")
 
 
 def describe(cls: type, env_prefix: str) -> list[tuple[str, ...]]:

@@ -139,6 +139,21 @@ class AllowedNetworks:
         return None
 
 
+def is_loopback(address: str | None) -> bool:
+    """Is `address` (a peer's IP, or a host setting) a loopback one? Unknown: no."""
+    if not address:
+        return False
+    if address.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
 def forbidden(request: web.Request, what: str, reason: str, **fields: object) -> Forbidden:
     """Log a refusal and return the 403 to raise."""
     refuse(request, what, reason, **fields)

@@ -17,7 +17,15 @@ heartbeat checks (`check_heart_beat`, FastChat's default) and sent none for
 
 Security: with `registration.token` set, every path but /get_worker_address needs it as a
 bearer token (401 otherwise), and a worker URL outside the allowed networks is refused with
-403 (access.py). Every refusal is logged, without the token.
+403 (access.py). Without a token, a gateway listening beyond loopback takes registrations
+from loopback clients only (403 for others) unless `registration.open_without_token` says
+otherwise: closed by default, since FastChat's workers register without any header. Every
+refusal is logged, without the token.
+
+The API acts only on workers that registered (source "registered"): /drain_worker and
+/unregister_worker answer 409 for a static, admin-added or DNS-discovered worker, and
+/register_worker for such a URL changes neither its source nor its life (its heartbeat is
+recorded, never checked), since every worker host holds the registration token.
 
 Each change is idempotent (re-registering a known worker refreshes its heartbeat and
 nothing else), so a multi-process gateway may hand each request to all its processes.
@@ -32,12 +40,18 @@ from typing import Any
 from aiohttp import web
 
 from vllm_gateway.config.gateway import GatewayConfig, RegistrationConfig
-from vllm_gateway.control.access import AllowedNetworks, forbidden, require_token
+from vllm_gateway.control.access import (
+    AllowedNetworks,
+    forbidden,
+    is_loopback,
+    refuse,
+    require_token,
+)
 from vllm_gateway.control.body import get_bool, get_number, get_str, get_url, read_json
 from vllm_gateway.dispatch.aliases import AliasTable
 from vllm_gateway.dispatch.dispatcher import Dispatcher
 from vllm_gateway.dispatch.request_info import RequestInfo
-from vllm_gateway.errors import BadRequest, Unauthorized
+from vllm_gateway.errors import BadRequest, NotRegistered, Unauthorized
 from vllm_gateway.fleet.operations import Fleet
 from vllm_gateway.fleet.periodic import Periodic
 from vllm_gateway.http.routes import json_response
@@ -68,6 +82,7 @@ class Registration:
         dispatcher: Dispatcher,
         aliases: AliasTable,
         config: RegistrationConfig,
+        host: str = "127.0.0.1",
     ) -> None:
         self.fleet = fleet
         self.registry = fleet.registry
@@ -75,6 +90,9 @@ class Registration:
         self.aliases = aliases
         self.config = config
         self.allowed = AllowedNetworks(config.allowed_networks, config.allowed_hosts)
+        # No token, listening beyond loopback (`host`), open registration not asked for:
+        # only loopback clients (an agent beside the gateway) may register.
+        self.loopback_only = loopback_only(config, host)
         self.heartbeats: dict[str, Heartbeat] = {}
         self.expired = 0  # workers removed for missing heartbeats (telemetry reads it)
         self.refused = 0  # registration requests refused (token or network)
@@ -100,6 +118,25 @@ class Registration:
             except Unauthorized:
                 self.refused += 1
                 raise
+        elif self.loopback_only and not is_loopback(request.remote):
+            self.refused += 1
+            raise forbidden(
+                request,
+                WHAT,
+                "without registration.token it accepts loopback clients only "
+                "(set registration.token, or registration.open_without_token = true)",
+            )
+
+    def _owned(self, request: web.Request, worker: Worker) -> None:
+        """Raise 409 unless `worker` joined through this API: the token is every worker
+        host's, and must not reach the operator's own workers."""
+        if worker.source is not Source.REGISTERED:
+            self.refused += 1
+            refuse(request, WHAT, "not a registered worker", worker=worker.url)
+            raise NotRegistered(
+                f"The {WHAT} acts only on workers that registered; {worker.url} is a "
+                f"{worker.source} worker (its own owner drains and removes it)."
+            )
 
     async def register(self, request: web.Request) -> web.Response:
         """FastChat's /register_worker: add the worker (source "registered") and probe it."""
@@ -117,6 +154,19 @@ class Registration:
         if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
             raise BadRequest("`worker_status.model_names` must be a list of strings.")
         check = get_bool(doc, "check_heart_beat", True)
+        known = self.registry.get(url)
+        if known is not None and known.source is not Source.REGISTERED:
+            # Another owner's worker: its heartbeat is noted, never checked (no expiry).
+            self.heartbeats[url] = Heartbeat(time.monotonic(), False, _queue_length(status))
+            return json_response(
+                {
+                    "ok": True,
+                    "new": False,
+                    "state": known.state.value,
+                    "models": sorted(known.models),
+                    "source": known.source,
+                }
+            )
         self.heartbeats[url] = Heartbeat(time.monotonic(), check, _queue_length(status))
         worker, new = await self.fleet.add(url, source=Source.REGISTERED, probe=False)
         if new and models:  # dispatchable by name at once; the probe then has the last word
@@ -169,6 +219,7 @@ class Registration:
         worker = self.registry.get(get_url(doc, "worker_name"))
         if worker is None:
             return json_response({"exist": False})
+        self._owned(request, worker)
         if get_bool(doc, "undrain", False):
             await self.fleet.undrain(worker, "undrained by its agent")
         else:
@@ -180,6 +231,9 @@ class Registration:
         self._authorize(request)
         doc = await read_json(request)
         url = get_url(doc, "worker_name")
+        known = self.registry.get(url)
+        if known is not None:
+            self._owned(request, known)
         self.heartbeats.pop(url, None)
         worker = self.fleet.remove(url, "unregistered by its agent")
         return json_response({"exist": worker is not None})
@@ -205,8 +259,11 @@ class Registration:
         limit = self.config.heartbeat_expiry
         removed = []
         for url, beat in list(self.heartbeats.items()):
-            if self.registry.get(url) is None:
+            worker = self.registry.get(url)
+            if worker is None:
                 del self.heartbeats[url]
+            elif worker.source is not Source.REGISTERED:
+                beat.check = False  # the URL has another owner now: never expire it
             elif beat.check and now - beat.at > limit:
                 del self.heartbeats[url]
                 # Capacity lost without anyone asking: a WARNING, unlike a removal on request.
@@ -231,6 +288,12 @@ class Registration:
 
     async def stop(self) -> None:
         await self._expiry.stop()
+
+
+def loopback_only(config: RegistrationConfig, host: str) -> bool:
+    """Must registrations come from loopback clients? Yes without a token while the gateway
+    listens beyond loopback on `host`, unless the config explicitly opens registration."""
+    return not config.token and not config.open_without_token and not is_loopback(host)
 
 
 def _queue_length(status: dict[str, Any]) -> float | None:

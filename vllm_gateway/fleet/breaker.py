@@ -23,7 +23,9 @@ the next probe interval would fail the same way (today: be retried, or answered 
 The breaker never opens the circuit of the last available worker of one of its models:
 with nowhere else to send those requests, an open circuit would only turn the worker's
 errors into 503s and delay its return after a restart (Envoy's outlier detection keeps a
-host for the same reason). Active probes still take a dead last worker out.
+host for the same reason). Active probes still take a dead last worker out. For that rule
+only a ready worker with a closed circuit counts as available: a half-open one takes one
+trial at a time, and once its trial is out it takes nothing at all.
 
 The breaker is a `Dispatcher.on_release` hook: constant work per finished request, no
 allocation, no log line unless the circuit moves (the registry logs that, with the reason).
@@ -115,9 +117,13 @@ class CircuitBreaker:
         )
 
     def _others_can_serve(self, worker: Worker) -> bool:
-        """Does every model of `worker` have another available worker?"""
+        """Does every model of `worker` have another worker that takes its traffic (ready,
+        circuit closed; a half-open worker takes one trial at most)?"""
         return all(
-            any(w is not worker and w.available for w in self.registry.serving(model))
+            any(
+                w is not worker and w.state is WorkerState.READY and w.circuit is Circuit.CLOSED
+                for w in self.registry.serving(model)
+            )
             for model in worker.models
         )
 

@@ -29,6 +29,16 @@ from vllm_gateway.workers import Worker, WorkerState
 
 # A worker counts as capacity when it serves now or will soon (still loading).
 COUNTED = frozenset({WorkerState.READY, WorkerState.JOINING})
+# No model is ever asked more workers than this: a ratio beyond it (a tiny target, a huge
+# demand) is capped before `ceil`, which raises OverflowError on an infinite float.
+MAX_DESIRED = 1_000_000
+
+
+def _ceil(ratio: float) -> int:
+    """ceil(ratio) within [0, MAX_DESIRED], a hair's tolerance below whole numbers."""
+    if not ratio > 0:  # also NaN
+        return 0
+    return math.ceil(min(ratio, MAX_DESIRED) - 1e-9)
 
 
 @dataclass(slots=True)
@@ -97,12 +107,10 @@ def desired_workers(
     queue_wait_up: float = 0.0,
 ) -> int:
     """Workers the model should have, given `current` (with hysteresis; see above)."""
-    up = math.ceil(demand / target - 1e-9)
-    if up > current:
-        want = up
-    else:
-        # Down only as far as the demand stays under down_fraction of the target.
-        want = min(current, math.ceil(demand / (target * down_fraction) - 1e-9))
+    up = _ceil(demand / target)
+    # Down only as far as the demand stays under down_fraction of the target.
+    down = min(current, _ceil(demand / (target * down_fraction)))
+    want = up if up > current else down
     if queue_wait_up and queue_wait >= queue_wait_up:
         want = max(want, current + 1)
     if demand > 0:

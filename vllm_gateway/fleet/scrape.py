@@ -24,11 +24,12 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 
 import aiohttp
 
 from vllm_gateway.config.gateway import ScrapeConfig
+from vllm_gateway.fleet.pages import PageTooLarge, parse_off_loop, read_capped
 from vllm_gateway.fleet.periodic import Periodic
 from vllm_gateway.log import get_logger
 from vllm_gateway.proxy.pool import UpstreamPool
@@ -37,6 +38,14 @@ from vllm_gateway.workers import EngineStats, Worker, WorkerRegistry
 log = get_logger("vllm_gateway.scrape")
 
 _MODEL_LABEL = "model_name"
+# What a worker reports is clamped into these bounds (a page claiming 1e308 requests would
+# make demand infinite and every sum and ceil downstream overflow): no server runs or
+# queues a million requests, and KV-cache usage is a fraction.
+MAX_REQUESTS = 1_000_000.0
+
+
+def _clamp(value: float, high: float) -> float:
+    return min(max(value, 0.0), high)
 
 
 class MetricNames:
@@ -90,10 +99,25 @@ def parse_labels(text: str) -> dict[str, str]:
     return labels
 
 
-def _samples(page: str, prefixes: tuple[str, ...]) -> dict[str, list[tuple[str, float]]]:
+def page_lines(page: bytes, piece: int = 1 << 16) -> Iterator[str]:
+    """The lines of a page, decoded and split `piece` bytes at a time: each C call holds
+    the GIL briefly, so a parse in a thread lets the event loop run in between (one
+    decode and splitlines of a 12 MiB page would hold it for tens of ms)."""
+    start, n = 0, len(page)
+    while start < n:
+        end = page.rfind(b"\n", start, start + piece) + 1 if start + piece < n else n
+        if end <= start:  # one line longer than a piece: take it whole
+            end = page.find(b"\n", start + piece) + 1 or n
+        yield from page[start:end].decode("utf-8", "replace").splitlines()
+        start = end
+
+
+def _samples(
+    page: str | Iterable[str], prefixes: tuple[str, ...]
+) -> dict[str, list[tuple[str, float]]]:
     """name -> [(label text, value)] for the sample lines whose name is in `prefixes`."""
     found: dict[str, list[tuple[str, float]]] = {}
-    for line in page.splitlines():
+    for line in page.splitlines() if isinstance(page, str) else page:
         if not line.startswith(prefixes):
             continue
         brace = line.find("{")
@@ -144,12 +168,12 @@ def _pick(
 
 
 def parse_metrics(
-    page: str, names: MetricNames, models: Collection[str] = (), at: float = 0.0
+    page: str | Iterable[str], names: MetricNames, models: Collection[str] = (), at: float = 0.0
 ) -> EngineStats | None:
     """Read one worker's load from its /metrics page; None when a gauge is missing.
 
-    `models` are the worker's model names (empty: count every sample); `at` stamps the
-    snapshot (time.monotonic() of the scrape).
+    `page` is the text, or its lines (`page_lines`); `models` are the worker's model names
+    (empty: count every sample); `at` stamps the snapshot (time.monotonic() of the scrape).
     """
     found = _samples(page, names.prefixes)
     running = _pick(found, names.running, models)
@@ -157,8 +181,14 @@ def parse_metrics(
     if running is None or waiting is None:
         return None
     kv = _pick(found, names.kv_cache, models)
-    kv_usage = sum(kv) / len(kv) if kv else None
-    return EngineStats(running=sum(running), waiting=sum(waiting), kv_cache_usage=kv_usage, at=at)
+    # Each sample is finite (see _samples) and clamped before summing, so no sum overflows.
+    kv_usage = sum(_clamp(v, 1.0) for v in kv) / len(kv) if kv else None
+    return EngineStats(
+        running=_clamp(sum(_clamp(v, MAX_REQUESTS) for v in running), MAX_REQUESTS),
+        waiting=_clamp(sum(_clamp(v, MAX_REQUESTS) for v in waiting), MAX_REQUESTS),
+        kv_cache_usage=kv_usage,
+        at=at,
+    )
 
 
 class Scraper:
@@ -179,12 +209,14 @@ class Scraper:
         self._busy: set[Worker] = set()  # workers with a scrape in flight
         self._last_ok: dict[Worker, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # scrapes in flight
+        self._told: dict[Worker, str] = {}  # the refused page last logged for each worker
         self._ticks = Periodic(
             "scraper", self._tick, lambda: self.config.interval, log, "scrape tick failed"
         )
         # Telemetry, read at scrape time by the metrics endpoint.
         self.scrapes = 0
         self.failures = 0
+        self.refused_pages = 0  # of the failures, pages over `max_page_bytes`
 
     async def scrape_worker(self, worker: Worker) -> bool:
         """Scrape one worker now and record the result; return whether it worked."""
@@ -199,17 +231,31 @@ class Scraper:
         self.scrapes += 1
         try:
             async with self.pool.session.get(url, timeout=timeout, headers=self._headers) as r:
-                body = await r.read()
+                body = await read_capped(r, self.config.max_page_bytes)
                 if r.status != 200:
                     raise ValueError(f"/metrics answered {r.status}")
             now = time.monotonic()
-            stats = parse_metrics(body.decode("utf-8", "replace"), self.names, worker.models, now)
+            names, models = self.names, worker.models
+
+            def parse(page: bytes) -> EngineStats | None:
+                return parse_metrics(page_lines(page), names, models, now)
+
+            stats = await parse_off_loop(parse, body)
+            del body
             if stats is None:
                 raise ValueError("the page lacks the running or waiting gauge")
+        except PageTooLarge as e:
+            self.failures += 1
+            self.refused_pages += 1
+            if self._told.get(worker) != "too large":  # once, until a scrape works again
+                self._told[worker] = "too large"
+                log.warning("worker /metrics refused", worker=worker.url, reason=str(e))
+            return False
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             self.failures += 1
             log.debug("scrape failed", worker=worker.url, error=str(e) or type(e).__name__)
             return False
+        self._told.pop(worker, None)
         if self.registry.get(worker.url) is not worker:
             return False  # removed while the scrape was out
         self._last_ok[worker] = now
@@ -228,6 +274,8 @@ class Scraper:
 
     def expire(self, now: float) -> None:
         """Withdraw snapshots older than `stale_after`; forget removed workers."""
+        for worker in [w for w in self._told if self.registry.get(w.url) is not w]:
+            del self._told[worker]
         for worker in list(self._last_ok):
             if self.registry.get(worker.url) is not worker:
                 del self._last_ok[worker]

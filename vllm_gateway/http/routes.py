@@ -38,6 +38,7 @@ from vllm_gateway.errors import (
     ExpectationFailed,
     GatewayError,
     ModelNotFound,
+    PathRefused,
     RequestTimeout,
     RouteNotFound,
     UpstreamError,
@@ -67,6 +68,21 @@ ROOT_MODEL_PATHS = (
 def is_model_path(path: str) -> bool:
     """Is `path` one of the OpenAI/vLLM model endpoints (a POST there is relayed)?"""
     return path.startswith("/v1/") or path in ROOT_MODEL_PATHS
+
+
+# vLLM's runtime LoRA endpoints: a client allowed there could load or unload adapters for
+# everyone. Refused unless `auth.lora_updates` is on.
+LORA_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
+
+
+def is_lora_update(path_qs: str) -> bool:
+    """Is this target one of vLLM's LoRA update endpoints (in any spelling a server might
+    route there: repeated or trailing slashes, any case)?"""
+    path = path_qs.partition("?")[0].lower()
+    if "//" in path:
+        path = "/".join(part for part in path.split("/") if part)
+        path = "/" + path
+    return path.rstrip("/") in LORA_PATHS
 
 
 def has_dot_segment(path: str) -> bool:
@@ -183,6 +199,7 @@ class Routes:
         aliases: AliasTable | None = None,
         body_timeout: float = 60.0,
         cors: Cors | None = None,
+        lora_updates: bool = False,
     ) -> None:
         self.registry = registry
         self.dispatcher = dispatcher
@@ -191,6 +208,7 @@ class Routes:
         self.aliases = aliases or AliasTable(registry)
         self.body_timeout = body_timeout  # seconds to receive a whole request body
         self.cors = cors or Cors(CorsConfig())  # the [cors] rules: both serving paths follow
+        self.lora_updates = lora_updates  # relay clients' LoRA load/unload requests
         self.started = time.time()
         self.request_ids = RequestIds()
         # The relay requests being handled now (their tasks): shutdown waits for them.
@@ -237,6 +255,11 @@ class Routes:
         try:
             # The body is not kept in this frame: it lives as long as the stream does.
             body = await self._read_body(ex)
+            if not self.lora_updates and is_lora_update(ex.path_qs):
+                raise PathRefused(
+                    "Loading and unloading LoRA adapters is not open to clients here "
+                    "(auth.lora_updates)."
+                )
             info = parse_request(ex.path_qs, body, request_id, ex.headers)
             del body
             bind_request(request_id=request_id, model=info.model)

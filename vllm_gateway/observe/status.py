@@ -37,6 +37,7 @@ from vllm_gateway.workers import WorkerRegistry, WorkerState
 if TYPE_CHECKING:
     from vllm_gateway.control.registration import Registration
     from vllm_gateway.fleet.autoscale import Autoscaler
+    from vllm_gateway.fleet.health import Prober
 
 
 @dataclass
@@ -56,6 +57,7 @@ class StatusViews:
     siblings: Siblings | None = None
     autoscaler: Autoscaler | None = None
     registration: Registration | None = None
+    prober: Prober | None = None
 
     def add_to(self, app: web.Application, *, metrics: bool, page: bool) -> None:
         if metrics:
@@ -79,6 +81,7 @@ class StatusViews:
             self.process,
             self.autoscaler,
             self.registration,
+            self.prober,
         )
         if self.siblings is not None and not self.siblings.asked_by_sibling(request):
             others = await self.siblings.collect(request)

@@ -28,6 +28,7 @@ from vllm_gateway.workers import Circuit, Worker, WorkerRegistry, WorkerState
 if TYPE_CHECKING:  # read at scrape time only; they are built above this module
     from vllm_gateway.control.registration import Registration
     from vllm_gateway.fleet.autoscale import Autoscaler
+    from vllm_gateway.fleet.health import Prober
 
 # Time to first byte: from dispatch to the first body byte relayed (prefill plus queueing).
 TTFB_BUCKETS = (
@@ -131,6 +132,7 @@ def render(
     process: int | None = None,
     autoscaler: Autoscaler | None = None,
     registration: Registration | None = None,
+    prober: Prober | None = None,
 ) -> str:
     """The whole /metrics document. `started` is the process start, in Unix seconds;
     `process` (with --processes N) labels every sample with the process's index."""
@@ -148,6 +150,8 @@ def render(
     _worker_metrics(w, workers)
     _scrape_metrics(w, workers, scraper)
     _fleet_metrics(w, autoscaler, registration)
+    if prober is not None:
+        _probe_metrics(w, prober, scraper)
 
     _dispatch_metrics(w, metrics, dispatcher, workers)
 
@@ -268,6 +272,21 @@ def _scrape_metrics(w: Writer, workers: list[Worker], scraper: Scraper) -> None:
     for worker in scraped:
         age = max(0.0, now - worker.stats.at)  # type: ignore[union-attr]
         w.sample(p + "worker_stats_age_seconds", round(age, 3), (("worker", worker.url),))
+
+
+def _probe_metrics(w: Writer, prober: Prober, scraper: Scraper) -> None:
+    """Failed probes, and the answers from workers the gateway refused (types, sizes)."""
+    p = "vllm_gateway_"
+    w.family(p + "probe_failures_total", "counter", "Probes of workers that failed.")
+    w.sample(p + "probe_failures_total", prober.failures)
+    w.family(
+        p + "worker_answers_refused_total",
+        "counter",
+        "Pages from workers refused: a /v1/models of bad types or size (probe), a /metrics "
+        "page over scrape.max_page_bytes (scrape).",
+    )
+    w.sample(p + "worker_answers_refused_total", prober.bad_answers, (("page", "models"),))
+    w.sample(p + "worker_answers_refused_total", scraper.refused_pages, (("page", "metrics"),))
 
 
 def _reload_metrics(w: Writer, reloads: ReloadCounters) -> None:

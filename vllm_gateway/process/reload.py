@@ -8,6 +8,8 @@ discovered workers stay with their owners), then dispatch, retry, timeouts, prob
 scrapes, log, breaker, aliases, client keys, admin, autoscale and discovery. In-flight
 requests are never touched: the new settings apply to requests dispatched from then on.
 The settings in `RESTART_ONLY` are read at start only; a reload that changes them says so.
+First of all, a reload that would remove the last static worker, the last client key or the
+admin token is refused unless the new file's `[reload]` section allows it (`check_reload`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from aiohttp import web
 
 from vllm_gateway.app import GATEWAY, check_app_config
 from vllm_gateway.config.gateway import GatewayConfig
+from vllm_gateway.errors import ConfigError
 
 # Settings a running app cannot change: a reload reports them as waiting for a restart.
 RESTART_ONLY = (
@@ -52,12 +55,37 @@ def apply_config(app: web.Application, new: GatewayConfig) -> list[str]:
     check_app_config(new)
     g = app[GATEWAY]
     old = g.config
+    if problems := check_reload(old, new):
+        raise ConfigError(problems)
     changes = [line for part in g.followers for line in part.configure(new)]
     for key in RESTART_ONLY:
         if _get(old, key) != _get(new, key):
             changes.append(f"{key}: {_shown(new, key)} takes effect at the next restart")
     g.config = g.status.config = new
     return changes
+
+
+def check_reload(old: GatewayConfig, new: GatewayConfig) -> list[str]:
+    """What `new` would take away that it does not say it means to (the `[reload]` section):
+    the last static worker, the last client key, the admin API. A truncated file is valid
+    TOML, and applied it would empty the fleet and open the API."""
+    problems = []
+    if old.workers and not new.workers and not new.reload.allow_no_workers:
+        problems.append(
+            f"workers: the new configuration lists none of the {len(old.workers)} workers; "
+            "set reload.allow_no_workers = true if that is meant"
+        )
+    if old.auth.keys and not new.auth.keys and not new.reload.allow_no_keys:
+        problems.append(
+            "auth.keys: the new configuration has no client key, which opens the API to "
+            "everyone; set reload.allow_no_keys = true if that is meant"
+        )
+    if old.admin.token and not new.admin.token and not new.reload.allow_no_admin:
+        problems.append(
+            "admin.token: the new configuration has none, which turns the admin API off; "
+            "set reload.allow_no_admin = true if that is meant"
+        )
+    return problems
 
 
 def _get(config: object, dotted: str) -> object:

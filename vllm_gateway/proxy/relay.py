@@ -27,6 +27,7 @@ a stream, a closed connection for any other body.
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from collections.abc import Sequence
 
@@ -163,10 +164,15 @@ class Relay:
         except TimeoutError:
             # The TCP handshake never completed: no byte reached the worker.
             raise WorkerUnreachable(
-                f"Worker {url} could not be reached: connect timed out after {t.connect:g} s"
+                "The worker serving this request could not be reached: "
+                f"connect timed out after {t.connect:g} s."
             ) from None
         except OSError as e:
-            raise WorkerUnreachable(f"Worker {url} could not be reached: {e}") from None
+            # The client sees what happened, not the fleet's addresses (the log lines of
+            # the request are bound to its worker, so they keep the URL).
+            raise WorkerUnreachable(
+                f"The worker serving this request could not be reached ({_errno_name(e)})."
+            ) from None
         try:
             conn.send(
                 request_head(
@@ -190,12 +196,14 @@ class Relay:
             conn.close()
             kind, what = conn.error
             if kind == connection.TIMEOUT:
-                raise UpstreamTimeout(f"Worker {url} sent no answer within {limit:g} s.")
-            raise UpstreamError(f"Worker {url} failed: it {what}.")
+                raise UpstreamTimeout(
+                    f"The worker serving this request sent no answer within {limit:g} s."
+                )
+            raise UpstreamError(f"The worker serving this request failed: it {what}.")
         lease.status = conn.status
         if conn.status in dispatch.RETRY_STATUSES and lease.can_retry:
             self.abandon(conn)  # a busy worker's short answer; nothing of it reaches the client
-            raise WorkerRefused(f"Worker {url} answered {conn.status}.")
+            raise WorkerRefused(f"The worker serving this request answered {conn.status}.")
         return conn
 
     def abandon(self, conn: UpstreamConnection) -> None:
@@ -276,23 +284,23 @@ class Relay:
         if conn.error is None:
             # The worker closed the stream cleanly but early: say so, as for a reset.
             lease.outcome = dispatch.BROKEN
-            message = f"Worker {url} ended the stream without [DONE]."
+            message = "The worker serving this request ended the stream without [DONE]."
         elif kind == connection.TIMEOUT:
             lease.outcome = dispatch.TIMEOUT
             if what == "total":
                 message = f"The request took longer than the {t.total:g} s limit."
             else:
-                message = f"Worker {url} sent nothing for {t.idle:g} s."
+                message = f"The worker serving this request sent nothing for {t.idle:g} s."
         else:
             lease.outcome = dispatch.BROKEN
-            message = f"Worker {url} failed mid-answer: it {what}."
-        await self._end_early(ex, sink, conn, message)
+            message = f"The worker serving this request failed mid-answer: it {what}."
+        await self._end_early(ex, sink, conn, message, url)
 
     @staticmethod
     async def _end_early(
-        ex: Exchange, sink: BodySink, conn: UpstreamConnection, message: str
+        ex: Exchange, sink: BodySink, conn: UpstreamConnection, message: str, worker: str = ""
     ) -> None:
-        log.warning("relay cut short", reason=message)
+        log.warning("relay cut short", reason=message, worker=worker)
         if conn.content_length is None and conn.content_type.startswith(b"text/event-stream"):
             # A stream without a length ends where the exchange says (its last chunk, or
             # the connection's end): an SSE error event first, as a new event even if the
@@ -320,6 +328,13 @@ def _ended_well(lease: Lease, conn: UpstreamConnection) -> bool:
         return True
     tail = conn.tail if conn.tail or not conn.out else b"".join(conn.out)[-connection.TAIL :]
     return tail.rstrip().endswith(DONE)
+
+
+def _errno_name(e: OSError) -> str:
+    """A connect error as a client may read it: its kind, never the address."""
+    if e.errno is not None and e.errno in errno.errorcode:
+        return errno.errorcode[e.errno]
+    return type(e).__name__
 
 
 def _within(limit: float, total: float, started: float) -> float | None:
