@@ -3,6 +3,8 @@ token is closed to the network when the gateway listens beyond loopback."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 from aiohttp.test_utils import make_mocked_request
 from hypothesis import HealthCheck, given, settings
@@ -103,8 +105,8 @@ async def test_without_a_token_beyond_loopback_only_loopback_clients_register(lo
 async def _check_peers(registration) -> None:
     assert registration.loopback_only
 
-    def request(peer: str):
-        transport = _Transport(peer)
+    def request(peer: str, sock: socket.socket | None = None):
+        transport = _Transport(peer, sock)
         return make_mocked_request(
             "POST",
             "/register_worker",
@@ -119,16 +121,25 @@ async def _check_peers(registration) -> None:
     registration._authorize(request("127.0.0.1"))  # no exception
     registration._authorize(request("::1"))
     assert registration.refused == 2
+    # A sibling process re-sending the request on its unix socket (no peer address).
+    with socket.socket(socket.AF_UNIX) as unix:
+        registration._authorize(request("", unix))
+    assert registration.refused == 2
 
 
 class _Transport:
     """Just enough of a transport for `request.remote`."""
 
-    def __init__(self, peer: str) -> None:
+    def __init__(self, peer: str, sock: socket.socket | None = None) -> None:
         self.peer = peer
+        self.sock = sock
 
     def get_extra_info(self, name: str, default: object = None) -> object:
-        return (self.peer, 40000) if name == "peername" else default
+        if name == "socket":
+            return self.sock
+        if name == "peername":
+            return (self.peer, 40000) if self.peer else ""
+        return default
 
     def is_closing(self) -> bool:
         return False
@@ -183,3 +194,15 @@ async def test_any_control_body_gets_an_answer_never_a_500(fake_worker, gateway,
             assert '"error"' in text
     worker = registry.get(static.url)
     assert worker is not None and worker.source == "static" and worker.state.value == "ready"
+
+
+@pytest.mark.parametrize("names", [[""], ["a\nb"], ["m", 1], [None], ["x" * 600]])
+async def test_registered_model_names_are_checked_like_a_workers_own(
+    names, fake_worker, gateway, http
+):
+    w = await fake_worker(models="m")
+    gw = await gateway([], registration=RegistrationConfig(token=TOKEN))
+    body = {"worker_name": w.url, "worker_status": {"model_names": names}}
+    status, answer = await post(http, gw, "/register_worker", body)
+    assert status == 400, answer
+    assert gw.app[REGISTRY].get(w.url) is None

@@ -154,6 +154,16 @@ def is_loopback(address: str | None) -> bool:
     return ip.is_loopback
 
 
+def local_peer(request: web.Request) -> bool:
+    """Did `request` come from this host: a loopback peer, or a unix socket (only the
+    gateway's own processes reach those: siblings.py re-sends control requests on them)?"""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is not None and sock.family == socket.AF_UNIX:
+        return True
+    return is_loopback(request.remote)
+
+
 def forbidden(request: web.Request, what: str, reason: str, **fields: object) -> Forbidden:
     """Log a refusal and return the 403 to raise."""
     refuse(request, what, reason, **fields)

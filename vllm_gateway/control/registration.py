@@ -40,10 +40,12 @@ from typing import Any
 from aiohttp import web
 
 from vllm_gateway.config.gateway import GatewayConfig, RegistrationConfig
+from vllm_gateway.config.load import check_model_name
 from vllm_gateway.control.access import (
     AllowedNetworks,
     forbidden,
     is_loopback,
+    local_peer,
     refuse,
     require_token,
 )
@@ -118,7 +120,7 @@ class Registration:
             except Unauthorized:
                 self.refused += 1
                 raise
-        elif self.loopback_only and not is_loopback(request.remote):
+        elif self.loopback_only and not local_peer(request):
             self.refused += 1
             raise forbidden(
                 request,
@@ -151,8 +153,10 @@ class Registration:
         if not isinstance(status, dict):
             raise BadRequest("`worker_status` must be an object.", param="worker_status")
         models = status.get("model_names") or []
-        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-            raise BadRequest("`worker_status.model_names` must be a list of strings.")
+        if not isinstance(models, list) or not all(
+            isinstance(m, str) and not check_model_name(m) for m in models
+        ):
+            raise BadRequest("`worker_status.model_names` must be a list of model names.")
         check = get_bool(doc, "check_heart_beat", True)
         known = self.registry.get(url)
         if known is not None and known.source is not Source.REGISTERED:
