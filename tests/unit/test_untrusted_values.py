@@ -33,7 +33,7 @@ from vllm_gateway.process.reload import check_reload
 
 pytestmark = pytest.mark.timeout(60)
 
-BOUNDED = settings(max_examples=80, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
+BOUNDED = settings(max_examples=50, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
 NAMES = MetricNames(
     ["vllm:num_requests_running"], ["vllm:num_requests_waiting"], ["vllm:kv_cache_usage_perc"]
 )
