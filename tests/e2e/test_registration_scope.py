@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 
 import pytest
-from aiohttp.test_utils import make_mocked_request
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -106,13 +105,7 @@ async def _check_peers(registration) -> None:
     assert registration.loopback_only
 
     def request(peer: str, sock: socket.socket | None = None):
-        transport = _Transport(peer, sock)
-        return make_mocked_request(
-            "POST",
-            "/register_worker",
-            headers={"Content-Type": "application/json"},
-            transport=transport,
-        )
+        return _Request(peer, _Transport(sock))
 
     with pytest.raises(Forbidden):
         registration._authorize(request("192.168.1.20"))
@@ -127,22 +120,25 @@ async def _check_peers(registration) -> None:
     assert registration.refused == 2
 
 
-class _Transport:
-    """Just enough of a transport for `request.remote`."""
+class _Request:
+    """Just enough of an aiohttp request for the peer check and its refusal log line."""
 
-    def __init__(self, peer: str, sock: socket.socket | None = None) -> None:
-        self.peer = peer
+    method = "POST"
+    path = "/register_worker"
+
+    def __init__(self, peer: str, transport: _Transport) -> None:
+        self.remote = peer or None
+        self.transport = transport
+
+
+class _Transport:
+    """Just enough of a transport for `access.local_peer`: the socket it runs on."""
+
+    def __init__(self, sock: socket.socket | None = None) -> None:
         self.sock = sock
 
     def get_extra_info(self, name: str, default: object = None) -> object:
-        if name == "socket":
-            return self.sock
-        if name == "peername":
-            return (self.peer, 40000) if self.peer else ""
-        return default
-
-    def is_closing(self) -> bool:
-        return False
+        return self.sock if name == "socket" else default
 
 
 control_bodies = st.dictionaries(
