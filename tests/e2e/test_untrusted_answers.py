@@ -145,3 +145,39 @@ async def _one(http: aiohttp.ClientSession, url: str, stream: bool, example: tup
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_a_worker_head_that_never_ends_is_cut_at_its_limit(gateway):
+    """A worker sending header lines without end (or one endless status line) gets a 502
+    once its head passes HEAD_LIMIT, long before the first-byte limit; the gateway does not
+    hold the head (before: it grew by every byte until `first_byte`, 600 s by default)."""
+
+    async def endless(transport: asyncio.Transport, body: bytes) -> None:
+        if b"reason" in body:
+            transport.write(b"HTTP/1.1 200 " + b"R" * 4096)
+            line = b"R" * 65536
+        else:
+            transport.write(b"HTTP/1.1 200 OK\r\n")
+            line = b"x-filler: " + b"a" * 8000 + b"\r\n"
+        for _ in range(1000):  # up to 64 MB
+            if transport.is_closing():
+                return
+            transport.write(line)
+            await asyncio.sleep(0)
+
+    worker = await ScriptedWorker(endless).start()
+    gw = await gateway([worker.url], timeouts=TimeoutConfig(first_byte=20))
+    g = gw.app[GATEWAY]
+    rss_before = _rss()
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            for prompt in ("headers", "reason"):
+                body = {"model": "m", "prompt": prompt}
+                async with http.post(gw.url + "/v1/completions", json=body) as r:
+                    assert r.status == 502, await r.text()
+                    message = (await r.json())["error"]["message"]
+                    assert "head" in message, message
+        await wait_until(lambda: all(w.inflight == 0 for w in g.registry))
+        assert _rss() - rss_before < 20 << 20
+    finally:
+        await worker.stop()

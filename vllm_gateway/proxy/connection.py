@@ -45,6 +45,10 @@ PENDING_LIMIT = 1 << 20
 TAIL = 32
 # A request body at least this big is written beside the head rather than copied onto it.
 _COPY_LIMIT = 16 * 1024
+# A worker's status line and headers together may not pass this (bytes; 64 KiB, eight
+# times vLLM's longest): the parser holds them until the head ends, so without a bound a
+# worker sending header lines without end would grow the gateway until `first_byte`.
+HEAD_LIMIT = 64 * 1024
 
 
 class UpstreamConnection(asyncio.Protocol):
@@ -64,6 +68,7 @@ class UpstreamConnection(asyncio.Protocol):
         "content_type",
         "error",
         "first_body_at",
+        "head_bytes",
         "headers",
         "idle_since",
         "keep_alive",
@@ -118,6 +123,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.paused = False  # reading paused until the client drains
         self._held = False  # reading paused until the response is committed
         self.last_data = 0.0
+        self.head_bytes = 0  # bytes received while the head was not complete
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -150,6 +156,14 @@ class UpstreamConnection(asyncio.Protocol):
             self.close()
             self._wake()
             return
+        if not self.status:  # the head is not complete yet: bound what it may cost
+            self.head_bytes += len(data)
+            if self.head_bytes > HEAD_LIMIT:
+                if self.error is None:
+                    self.error = (BROKEN, f"sent a head over {HEAD_LIMIT} bytes")
+                self.close()
+                self._wake()
+                return
         if self.out:
             if self.sink is not None:
                 self._flush()
