@@ -25,9 +25,8 @@ from vllm_gateway.config.gateway import (
     ScrapeConfig,
 )
 from vllm_gateway.config.section import Configurable, Section
-from vllm_gateway.control.access import is_loopback
 from vllm_gateway.control.admin import AdminApi
-from vllm_gateway.control.registration import Registration, loopback_only
+from vllm_gateway.control.registration import Registration, warn_if_open
 from vllm_gateway.dispatch.aliases import AliasTable, check_alias
 from vllm_gateway.dispatch.dispatcher import Dispatcher
 from vllm_gateway.dispatch.policies import Policy, check_policy_name, make_policy
@@ -405,7 +404,7 @@ def _lifetimes(g: Gateway, first_process: bool) -> list[Lifetime]:
 
     async def fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         if g.config.registration.enabled and first_process:
-            _warn_if_registration_open(g.config)
+            warn_if_open(g.config.registration, g.config.host)
         for source in g.sources:
             await source.start()
         await g.autoscaler.start()
@@ -442,22 +441,3 @@ def check_scale_rules(config: GatewayConfig) -> list[str]:
                     f"{where}.{key}: {e!r}; the placeholders are {{model}} {{index}} {{count}}"
                 )
     return problems
-
-
-def _warn_if_registration_open(config: GatewayConfig) -> None:
-    """Say at start how registration without a token is limited (or not) beyond loopback."""
-    if loopback_only(config.registration, config.host):
-        log.warning(
-            "registration accepts loopback clients only: no registration.token while the "
-            "gateway listens beyond loopback; set registration.token "
-            "(VLLM_GATEWAY_REGISTRATION_TOKEN), or registration.open_without_token = true",
-            host=config.host,
-        )
-    elif not config.registration.token and not is_loopback(config.host):
-        log.warning(
-            "registration needs no token while the gateway listens beyond loopback: "
-            "anyone who reaches it may register a worker inside the allowed networks; "
-            "set registration.token (VLLM_GATEWAY_REGISTRATION_TOKEN)",
-            host=config.host,
-            allowed_networks=list(config.registration.allowed_networks),
-        )

@@ -300,6 +300,25 @@ def loopback_only(config: RegistrationConfig, host: str) -> bool:
     return not config.token and not config.open_without_token and not is_loopback(host)
 
 
+def warn_if_open(config: RegistrationConfig, host: str) -> None:
+    """Say at start how registration without a token is limited (or not) beyond loopback."""
+    if loopback_only(config, host):
+        log.warning(
+            "registration accepts loopback clients only: no registration.token while the "
+            "gateway listens beyond loopback; set registration.token "
+            "(VLLM_GATEWAY_REGISTRATION_TOKEN), or registration.open_without_token = true",
+            host=host,
+        )
+    elif not config.token and not is_loopback(host):
+        log.warning(
+            "registration needs no token while the gateway listens beyond loopback: "
+            "anyone who reaches it may register a worker inside the allowed networks; "
+            "set registration.token (VLLM_GATEWAY_REGISTRATION_TOKEN)",
+            host=host,
+            allowed_networks=list(config.allowed_networks),
+        )
+
+
 def _queue_length(status: dict[str, Any]) -> float | None:
     value = status.get("queue_length")
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
