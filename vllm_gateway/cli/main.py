@@ -17,6 +17,7 @@ from vllm_gateway.cli.fleet import COMMANDS, CONTEXT
 from vllm_gateway.config.gateway import GatewayConfig
 from vllm_gateway.config.load import load_config
 from vllm_gateway.errors import ConfigError
+from vllm_gateway.fake_worker.cli_options import cache_options, cache_settings
 
 
 @click.group(context_settings=CONTEXT)
@@ -316,6 +317,7 @@ def chat(gateway: str, model: str, max_tokens: int | None, prompt: str) -> None:
     default=False,
     help="Report vllm:gpu_cache_usage_perc (vLLM < 0.8) instead of kv_cache_usage_perc.",
 )
+@cache_options
 def fake_worker(
     host: str,
     port: int,
@@ -328,8 +330,10 @@ def fake_worker(
     fault: str | None,
     api_key: str | None,
     legacy_metrics: bool,
+    **cache: Any,
 ) -> None:
-    """Run a stand-in for a vLLM server: same wire format, /metrics, batching, faults.
+    """Run a stand-in for a vLLM server: same wire format, /metrics, batching, prefix
+    cache, faults.
 
     PORT 0 picks a free port; the line printed at start says which.
     """
@@ -347,6 +351,7 @@ def fake_worker(
             fault=fault,
             api_key=api_key,
             legacy_metrics=legacy_metrics,
+            **cache_settings(**cache),
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from None

@@ -1,4 +1,4 @@
-"""A vLLM stand-in: OpenAI wire format, /metrics, continuous batching and faults.
+"""A vLLM stand-in: OpenAI wire format, /metrics, continuous batching, prefix cache, faults.
 
     worker = FakeWorker(FakeWorkerConfig(models=("m",), max_num_seqs=4))
     await worker.start()            # 127.0.0.1, free port -> worker.url
@@ -12,6 +12,13 @@ completions and chat with `n` choices (each event of a stream carries one, with 
 `/v1/responses` (OpenAI's Responses API, streamed with `event:` lines), embeddings,
 score, rerank, tokenize; a body that fails vLLM's schema is a 400 worded as FastAPI words
 it ("Input should be a valid list", "Field required").
+
+A prompt is one token per word (tokens.py). Its blocks of `block_size` tokens go
+through a prefix cache of `num_gpu_blocks` blocks (prefix_cache.py: chained block
+hashes, pinning, LRU eviction), reported as vLLM does (vllm:prefix_cache_queries/hits,
+vllm:kv_cache_usage_perc, vllm:cache_config_info). Time to first token is the prompt's
+uncached tokens x `prefill_ms_per_token` on the worker's one prefill lane, then
+`ttft_ms` (prefill.py). Defaults: no capacity limit and free prefill, as before.
 
 Faults act on the model endpoints (POST /v1/*, /tokenize, ...), never on /health,
 /metrics, /v1/models or /fake/*. They are chosen worker-wide (config.fault,

@@ -20,6 +20,7 @@ from vllm_gateway.fake_worker.config import FakeWorkerConfig, Fault
 from vllm_gateway.fake_worker.engine import Engine
 from vllm_gateway.fake_worker.faults import BodyWriter, StreamEnded, before_headers, send_body
 from vllm_gateway.fake_worker.stats import RequestRecord
+from vllm_gateway.fake_worker.tokens import prompt_token_ids, responses_token_ids
 
 CALL = web.RequestKey("fake_call", object)
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
@@ -108,13 +109,14 @@ class OpenAIApi:
         choices = p.choice_count(body)
         logprobs = p.logprobs_wanted(body, chat)
         stream, include_usage = p.stream_flags(body)
-        prompt = p.prompt_tokens(body)
+        token_ids = prompt_token_ids(body)
+        prompt = len(token_ids)
         rid = p.request_id("chatcmpl" if chat else "cmpl", request.headers.get("X-Request-Id"))
         fault = call.fault
         huge = int(fault.param or 0) if fault and fault.name == "huge_event" else 0
         await before_headers(fault)
         if not stream:
-            await self.engine.generate(call.arrival, model, prompt, n, None)
+            await self.engine.generate(call.arrival, model, token_ids, n, None)
             text = "x" * huge + p.output_text(n)
             make = p.chat_body if chat else p.completion_body
             lp = p.answer_logprobs(n, logprobs, chat)
@@ -136,38 +138,40 @@ class OpenAIApi:
             return out
 
         usage = [formats[0].usage(prompt, n * choices)] if include_usage else []
-        return await self._stream(request, call, model, (prompt, n), events, [*usage, p.DONE])
+        done = [*usage, p.DONE]
+        return await self._stream(request, call, model, (token_ids, n), events, done)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """/v1/responses: OpenAI's Responses API as vLLM serves it, streamed or not."""
         call, body, model = self._parse(request)
-        prompt = r.input_words(body)
+        prompt = r.input_words(body)  # validates `input`; the answer's usage
+        token_ids = responses_token_ids(body)
         n = r.max_output_tokens(body, self.config.max_tokens)
         stream, _ = p.stream_flags(body)
         fmt = r.ResponseFormat(request.headers.get("X-Request-Id"), model, body, prompt, n)
         text = p.output_text(n)
         await before_headers(call.fault)
         if not stream:
-            await self.engine.generate(call.arrival, model, prompt, n, None)
+            await self.engine.generate(call.arrival, model, token_ids, n, None)
             return await self._reply(request, call, fmt.body(text, n))
 
         def events(i: int) -> list[bytes]:
             return [*fmt.opening(), fmt.delta(i)] if i == 0 else [fmt.delta(i)]
 
-        return await self._stream(request, call, model, (prompt, n), events, fmt.closing, text)
+        return await self._stream(request, call, model, (token_ids, n), events, fmt.closing, text)
 
     async def _stream(
         self,
         request: web.Request,
         call: Call,
         model: str,
-        size: tuple[int, int],
+        size: tuple[list[int], int],
         events: Callable[[int], list[bytes]],
         closing: list[bytes] | Callable[[str, int], list[bytes]],
         text: str = "",
     ) -> web.StreamResponse:
         """Answer as an event stream: `events(i)` as token i is made, then `closing` (or
-        what it makes of the whole text); `size` is (prompt tokens, answer tokens)."""
+        what it makes of the whole text); `size` is (prompt token ids, answer tokens)."""
         # Like vLLM (Starlette), the status line goes out at once, before the queue.
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
@@ -177,9 +181,9 @@ class OpenAIApi:
             for event in events(i):
                 await out.event(resp, event)
 
-        prompt, n = size
+        token_ids, n = size
         try:
-            await self.engine.generate(call.arrival, model, prompt, n, on_token)
+            await self.engine.generate(call.arrival, model, token_ids, n, on_token)
             for event in closing if isinstance(closing, list) else closing(text, n):
                 await out.event(resp, event)
         except StreamEnded:

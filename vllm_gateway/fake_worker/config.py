@@ -91,6 +91,16 @@ class FakeWorkerConfig:
     embedding_dim: int = 8
     # Reported in /v1/models and /tokenize; not enforced.
     max_model_len: int = 4096
+    # The prefix cache (see prefix_cache.py). Tokens per KV block; vLLM's default is 16.
+    block_size: int = 16
+    # KV blocks the worker holds (vLLM's num_gpu_blocks). None: no limit, nothing is
+    # evicted, and vllm:kv_cache_usage_perc reports the batch's fill (running /
+    # max_num_seqs) as the fake always did, since a full batch is what a gateway
+    # reading that gauge wants to learn of a worker whose memory is not modelled.
+    num_gpu_blocks: int | None = None
+    # Prefill compute per uncached prompt token, on top of ttft_ms, shared by the
+    # worker's requests one after another (see prefill.py). 0: a prompt costs nothing.
+    prefill_ms_per_token: float = 0.0
 
     def __post_init__(self) -> None:
         # Validate once, here, so a bad config fails at construction, not mid-test.
@@ -102,6 +112,12 @@ class FakeWorkerConfig:
             raise ValueError("max_tokens must be >= 1")
         if self.ttft_ms < 0 or self.tpot_ms < 0:
             raise ValueError("ttft_ms and tpot_ms must be >= 0")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks < 1:
+            raise ValueError("num_gpu_blocks must be >= 1")
+        if self.prefill_ms_per_token < 0:
+            raise ValueError("prefill_ms_per_token must be >= 0")
         if self.embedding_dim < 1:
             raise ValueError("embedding_dim must be >= 1")
         parse_fault(self.fault)

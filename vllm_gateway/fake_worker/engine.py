@@ -1,4 +1,8 @@
-"""The simulated engine: batching slots, prefill/decode timing, and the metrics they feed."""
+"""The simulated engine: one request's life through batch slot, prefix cache, prefill, decode.
+
+The parts live one call down: batching slots in scheduler.py, KV blocks in
+prefix_cache.py, shared prefill compute in prefill.py, the numbers in metrics.py.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from vllm_gateway.fake_worker.config import FakeWorkerConfig
-from vllm_gateway.fake_worker.metrics import EngineMetrics
+from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
+from vllm_gateway.fake_worker.prefill import PrefillLane
+from vllm_gateway.fake_worker.prefix_cache import PrefixCache
 from vllm_gateway.fake_worker.scheduler import Scheduler
 from vllm_gateway.fake_worker.stats import FakeStats
 
@@ -22,6 +28,8 @@ class Engine:
     def __init__(self, config: FakeWorkerConfig, stats: FakeStats) -> None:
         self.config = config
         self.scheduler = Scheduler(config.max_num_seqs, stats)
+        self.cache = PrefixCache(config.block_size, config.num_gpu_blocks)
+        self.prefill_lane = PrefillLane(config.prefill_ms_per_token)
         self.metrics = EngineMetrics(
             config.base_model, len(config.lora_adapters), config.legacy_metrics
         )
@@ -30,37 +38,47 @@ class Engine:
         self,
         arrival: float,
         model: str,
-        prompt: int,
+        prompt: list[int],
         n: int,
         on_token: Callable[[int], Awaitable[None]] | None,
     ) -> None:
-        """Wait for a slot, prefill for ttft, then make n tokens at one per tpot.
+        """Wait for a slot, prefill, then make n tokens at one per tpot.
 
-        `on_token(i)` runs as token i is made, still holding the slot (a stalled
-        writer keeps its sequence in the batch, as in vLLM). `arrival` is the
-        loop.time() the request came in, for the TTFT and latency histograms.
+        Prefill is the prompt's uncached tokens on the worker's shared prefill lane,
+        then ttft. `prompt` is the token ids. `on_token(i)` runs as token i is made,
+        still holding the slot (a stalled writer keeps its sequence in the batch, as in
+        vLLM). `arrival` is the loop.time() the request came in, for the TTFT and
+        latency histograms.
         """
         loop = asyncio.get_running_loop()
         ttft, tpot = self.config.ttft_ms / 1000, self.config.tpot_ms / 1000
-        m = self.metrics
+        m, cache = self.metrics, self.cache
         async with self.scheduler.slot(model):
-            start = loop.time()
-            m.prompt_tokens += prompt
-            if on_token is None:
-                # Nobody watches the tokens: sleep straight to the first and the last.
-                await _sleep_until(start + ttft)
-                first = loop.time()
-                m.ttft.observe(first - arrival)
-                await _sleep_until(start + ttft + (n - 1) * tpot)
-                m.generation_tokens += n
-            else:
-                for i in range(n):
-                    await _sleep_until(start + ttft + i * tpot)
-                    if i == 0:
-                        first = loop.time()
-                        m.ttft.observe(first - arrival)
-                    m.generation_tokens += 1
-                    await on_token(i)
+            seq = cache.admit(model, prompt)
+            try:
+                m.prompt_tokens += len(prompt)
+                await self.prefill_lane.prefill(seq.uncached_tokens)
+                cache.commit(seq)
+                start = loop.time()
+                if on_token is None:
+                    # Nobody watches the tokens: sleep straight to the first and the last.
+                    await _sleep_until(start + ttft)
+                    first = loop.time()
+                    m.ttft.observe(first - arrival)
+                    cache.grow(seq, len(prompt) + n)  # the whole answer's blocks at once
+                    await _sleep_until(start + ttft + (n - 1) * tpot)
+                    m.generation_tokens += n
+                else:
+                    for i in range(n):
+                        await _sleep_until(start + ttft + i * tpot)
+                        if i == 0:
+                            first = loop.time()
+                            m.ttft.observe(first - arrival)
+                        m.generation_tokens += 1
+                        cache.grow(seq, len(prompt) + i + 1)
+                        await on_token(i)
+            finally:
+                cache.release(seq)
         end = loop.time()
         m.finished["length"] += 1
         m.e2e.observe(end - arrival)
@@ -77,12 +95,16 @@ class Engine:
         self.metrics.finished["abort"] += 1
 
     def metrics_page(self) -> str:
-        sched = self.scheduler
+        sched, cache = self.scheduler, self.cache
         lora = set(self.config.lora_adapters)
+        usage = cache.usage()
+        if usage is None:  # memory not modelled: a full batch stands in for a full cache
+            usage = sched.running / sched.max_num_seqs
         return self.metrics.render(
             running=sched.running,
             waiting=sched.waiting,
-            max_num_seqs=sched.max_num_seqs,
+            usage=usage,
+            cache=CacheInfo(cache.block_size, cache.capacity, cache.queries, cache.hits),
             running_loras=[m for m in sched.running_models() if m in lora],
             waiting_loras=[m for m in sched.waiting_models() if m in lora],
         )

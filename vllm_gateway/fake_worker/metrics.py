@@ -13,6 +13,7 @@ import gc
 import os
 import platform
 import time
+from dataclasses import dataclass
 
 # vLLM V1's bucket bounds, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -67,6 +68,33 @@ class Histogram:
         return out
 
 
+@dataclass(frozen=True)
+class CacheInfo:
+    """The prefix cache as /metrics reports it: its config and its token counters."""
+
+    block_size: int
+    num_gpu_blocks: int | None
+    queries: int  # prompt tokens looked up
+    hits: int  # of which were cached
+
+    def config_labels(self) -> dict[str, str]:
+        """vllm:cache_config_info's labels: vLLM V1's CacheConfig fields, as strings."""
+        return {
+            "block_size": str(self.block_size),
+            "cache_dtype": "auto",
+            "calculate_kv_scales": "False",
+            "enable_prefix_caching": "True",
+            "engine": "0",
+            "gpu_memory_utilization": "0.9",
+            "is_attention_free": "False",
+            "num_cpu_blocks": "None",
+            "num_gpu_blocks": str(self.num_gpu_blocks),
+            "prefix_caching_hash_algo": "builtin",
+            "swap_space": "4",
+            "swap_space_bytes": str(4 * 1024**3),
+        }
+
+
 class EngineMetrics:
     """The engine-side numbers a vLLM /metrics page reports, fed by the fake's handlers."""
 
@@ -86,13 +114,21 @@ class EngineMetrics:
         self,
         running: int,
         waiting: int,
-        max_num_seqs: int,
+        usage: float,
+        cache: CacheInfo,
         running_loras: list[str],
         waiting_loras: list[str],
     ) -> str:
-        """The whole page, with scheduler numbers as they are right now."""
+        """The whole page, with scheduler and cache numbers as they are right now.
+
+        `usage` is the KV-cache usage gauge's value (0..1).
+        """
         lab = self.labels
         out: list[str] = _process_lines()
+        # vLLM sets its info gauge once, at engine start; it comes first on its page.
+        out += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                "# TYPE vllm:cache_config_info gauge",
+                f"vllm:cache_config_info{_labels(cache.config_labels())} 1.0"]  # fmt: skip
 
         def family(name: str, kind: str, text: str) -> None:
             out.append(f"# HELP {name} {text}")
@@ -124,15 +160,19 @@ class EngineMetrics:
               running)  # fmt: skip
         gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
               waiting)  # fmt: skip
-        # The fake has no KV cache; a full batch stands in for a full cache, which is
-        # what a gateway reading this gauge wants to learn.
-        usage = running / max_num_seqs
         if self.legacy:
             gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.",
                   usage)  # fmt: skip
         else:
             gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                   usage)  # fmt: skip
+        if not self.legacy:  # V0 engines (legacy pages) had a hit-rate gauge instead
+            counter("vllm:prefix_cache_queries",
+                    "Prefix cache queries, in terms of number of queried tokens.",
+                    {"": cache.queries})  # fmt: skip
+            counter("vllm:prefix_cache_hits",
+                    "Prefix cache hits, in terms of number of cached tokens.",
+                    {"": cache.hits})  # fmt: skip
         family("vllm:lora_requests_info", "gauge", "Running stats on lora requests.")
         lora_labels = {
             "max_lora": str(self.max_loras),

@@ -107,26 +107,6 @@ def request_id(prefix: str, given: str | None) -> str:
 # --- reading a request ---------------------------------------------------------------
 
 
-def _words(value: Any) -> int:
-    """Whitespace-separated words in a string, list of strings or list of token ids."""
-    if isinstance(value, str):
-        return len(value.split())
-    if isinstance(value, list):
-        return sum(1 if isinstance(v, int) else _words(v) for v in value)
-    if isinstance(value, dict):  # a chat content part: {"type": "text", "text": ...}
-        return _words(value.get("text"))
-    return 0
-
-
-def prompt_tokens(body: dict[str, Any]) -> int:
-    """The fake's token count of a prompt: one token per word, at least 1."""
-    if "messages" in body:
-        n = sum(_words(m.get("content")) for m in body["messages"] if isinstance(m, dict))
-    else:
-        n = _words(body.get("prompt", body.get("input", "")))
-    return max(1, n)
-
-
 def max_tokens(body: dict[str, Any], default: int, chat: bool) -> int:
     field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None \
         else "max_tokens"  # fmt: skip

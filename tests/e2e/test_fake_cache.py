@@ -1,0 +1,238 @@
+"""The fake worker's prefix cache over real sockets: hits, eviction, usage, prefill cost.
+
+Prompts are counted in the fake's tokens (one per word); blocks hold 16 of them unless a
+test says otherwise. Timing tests assert bounds with wide margins, for a busy machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_gateway.cli.main import main
+from vllm_gateway.fake_worker import FakeWorker
+
+MakeWorker = Callable[..., Awaitable[FakeWorker]]
+FAST = {"ttft_ms": 5.0, "tpot_ms": 2.0}
+REAL_PAGE = Path(__file__).parent.parent / "data" / "vllm_metrics_v1.txt"
+
+
+def words(n: int, tag: str = "a") -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+async def metrics(http: aiohttp.ClientSession, worker: FakeWorker) -> dict[str, Any]:
+    """The page's families by name; `value(name)` of a family's first sample."""
+    async with http.get(worker.url + "/metrics") as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return {f.name: f for f in text_string_to_metric_families(await resp.text())}
+
+
+async def counters(http: aiohttp.ClientSession, worker: FakeWorker) -> tuple[float, float]:
+    """(tokens queried, tokens hit) since the worker started."""
+    fams = await metrics(http, worker)
+    return (
+        fams["vllm:prefix_cache_queries"].samples[0].value,
+        fams["vllm:prefix_cache_hits"].samples[0].value,
+    )
+
+
+async def usage(http: aiohttp.ClientSession, worker: FakeWorker) -> float:
+    return (await metrics(http, worker))["vllm:kv_cache_usage_perc"].samples[0].value
+
+
+async def complete(http: aiohttp.ClientSession, worker: FakeWorker, prompt: str) -> None:
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 2}
+    async with http.post(worker.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+
+
+async def hits_of(http: aiohttp.ClientSession, worker: FakeWorker, prompt: str) -> float:
+    """Tokens of `prompt` the worker found cached."""
+    _, before = await counters(http, worker)
+    await complete(http, worker, prompt)
+    _, after = await counters(http, worker)
+    return after - before
+
+
+async def first_token_after(
+    http: aiohttp.ClientSession, worker: FakeWorker, prompt: str, started: float
+) -> float:
+    """Seconds from `started` (monotonic) to the first token of a streamed completion."""
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 2, "stream": True}
+    async with http.post(worker.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+        first = None
+        async for _ in resp.content.iter_any():
+            first = first or time.monotonic()
+    assert first is not None
+    return first - started
+
+
+async def test_repeated_prompt_hits_all_but_its_last_block(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    worker = await fake_worker(**FAST)
+    prompt = words(40)  # two full blocks and a partial one
+    assert await hits_of(http, worker, prompt) == 0
+    assert await hits_of(http, worker, prompt) == 32
+    assert await counters(http, worker) == (80, 32)
+    # A block-aligned prompt cached whole still computes its last token, as vLLM does:
+    # its last block is not a hit.
+    aligned = words(32, "b")
+    await complete(http, worker, aligned)
+    assert await hits_of(http, worker, aligned) == 16
+
+
+async def test_shared_prefix_hits_only_the_shared_blocks(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    worker = await fake_worker(**FAST)
+    shared = words(50, "sys")  # 3 full blocks (48 tokens) are shared, then the paths part
+    await complete(http, worker, shared + " " + words(30, "q"))
+    assert await hits_of(http, worker, shared + " " + words(30, "r")) == 48
+    assert await hits_of(http, worker, words(80, "other")) == 0
+
+
+async def test_chat_prefix_hits_and_roles_matter(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    worker = await fake_worker(**FAST)
+    system = {"role": "system", "content": words(40, "sys")}
+
+    async def chat(*messages: dict[str, str]) -> float:
+        _, before = await counters(http, worker)
+        body = {"model": "fake-model", "messages": list(messages), "max_tokens": 2}
+        async with http.post(worker.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["usage"]["prompt_tokens"] == 45
+        return (await counters(http, worker))[1] - before
+
+    assert await chat(system, {"role": "user", "content": "one two three four five"}) == 0
+    assert await chat(system, {"role": "user", "content": "six seven eight nine ten"}) == 32
+    # The same words said by the user are another prompt.
+    as_user = {"role": "user", "content": system["content"]}
+    assert await chat(as_user, {"role": "user", "content": "six seven eight nine ten"}) == 0
+
+
+async def test_small_capacity_evicts_least_recently_used_blocks(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    # 4 blocks; each prompt below needs 3 while it runs (2 full + 1 partial) and leaves
+    # 2 cached. A, then B, then C: C's admission evicts what A and B left, oldest first.
+    worker = await fake_worker(num_gpu_blocks=4, **FAST)
+    a, b, c = words(33, "a"), words(33, "b"), words(33, "c")
+    for prompt in (a, b, c):
+        await complete(http, worker, prompt)
+    assert await hits_of(http, worker, c) == 32  # the newest is still cached
+    assert await hits_of(http, worker, a) == 0  # the oldest was evicted
+    unbounded = await fake_worker(**FAST)
+    for prompt in (a, b, c):
+        await complete(http, unbounded, prompt)
+    assert await hits_of(http, unbounded, a) == 32
+
+
+async def test_usage_counts_blocks_pinned_by_running_requests(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    worker = await fake_worker(num_gpu_blocks=10, ttft_ms=1, tpot_ms=150)
+    prompt = words(40)  # 3 blocks: 2 full, shared once computed, and a private partial one
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 8, "stream": True}
+    assert await usage(http, worker) == 0.0
+    first = await http.post(worker.url + "/v1/completions", json=body)
+    await first.content.readuntil(b"\n\n")  # its first token: prompt blocks computed
+    assert await usage(http, worker) == pytest.approx(0.3)
+    second = await http.post(worker.url + "/v1/completions", json=body)
+    await second.content.readuntil(b"\n\n")
+    # The two full blocks are pinned by both, each has its own partial block: 4 of 10.
+    assert await usage(http, worker) == pytest.approx(0.4)
+    for resp in (first, second):
+        await asyncio.wait_for(resp.read(), 5)
+        resp.release()
+    # Finished requests leave their blocks cached, but nobody uses them.
+    await worker.wait_for(lambda s: s.running == 0)
+    assert await usage(http, worker) == 0.0
+
+
+async def test_usage_grows_with_generated_tokens(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    worker = await fake_worker(num_gpu_blocks=10, ttft_ms=1, tpot_ms=200, block_size=4)
+    body = {"model": "fake-model", "prompt": "p q r", "max_tokens": 10, "stream": True}
+    async with http.post(worker.url + "/v1/completions", json=body) as resp:
+        await resp.content.readuntil(b"\n\n")  # 3 + 1 tokens: one block
+        early = await usage(http, worker)
+        for _ in range(8):
+            await resp.content.readuntil(b"\n\n")  # 3 + 9 tokens: three blocks
+        late = await usage(http, worker)
+        await asyncio.wait_for(resp.read(), 5)
+    assert early == pytest.approx(0.1) and late == pytest.approx(0.3)
+
+
+async def test_prefill_time_grows_with_uncached_tokens(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    worker = await fake_worker(prefill_ms_per_token=2.0, ttft_ms=5, tpot_ms=1)
+    long_prompt = words(300, "long")
+    cold = await first_token_after(http, worker, long_prompt, time.monotonic())
+    warm = await first_token_after(http, worker, long_prompt, time.monotonic())  # 12 uncached
+    short = await first_token_after(http, worker, words(20, "s"), time.monotonic())
+    assert cold >= 0.6  # 300 tokens x 2 ms
+    assert warm < cold / 3 and short < cold / 3
+
+
+async def test_a_long_prefill_delays_another_requests_first_token(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    worker = await fake_worker(prefill_ms_per_token=2.0, ttft_ms=5, tpot_ms=1)
+    alone = await first_token_after(http, worker, words(5, "x"), time.monotonic())
+    t0 = time.monotonic()
+    long_task = asyncio.create_task(first_token_after(http, worker, words(400, "long"), t0))
+    await worker.wait_for(lambda s: s.running == 1)
+    await asyncio.sleep(0.05)
+    short = await first_token_after(http, worker, words(5, "y"), t0)
+    long = await asyncio.wait_for(long_task, 10)
+    # The short prompt needs 10 ms of prefill, but waits behind the long one's 800 ms.
+    assert alone < 0.4
+    assert short >= 0.7 and short >= long - 0.05
+
+
+async def test_metrics_are_in_vllms_exposition_format(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    worker = await fake_worker(models=("m",), num_gpu_blocks=123, **FAST)
+    body = {"model": "m", "prompt": words(20), "max_tokens": 2}
+    async with http.post(worker.url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200
+    fams = await metrics(http, worker)
+    for name, value in (("vllm:prefix_cache_queries", 20), ("vllm:prefix_cache_hits", 0)):
+        assert fams[name].type == "counter"
+        (sample,) = [s for s in fams[name].samples if s.name == name + "_total"]
+        assert sample.labels == {"engine": "0", "model_name": "m"} and sample.value == value
+    info = fams["vllm:cache_config_info"]
+    assert info.type == "gauge"
+    (sample,) = info.samples
+    assert sample.value == 1
+    assert sample.labels["block_size"] == "16" and sample.labels["num_gpu_blocks"] == "123"
+    assert sample.labels["enable_prefix_caching"] == "True"
+    # The same labels as a real vLLM V1 page's.
+    real = {f.name: f for f in text_string_to_metric_families(REAL_PAGE.read_text())}
+    assert set(sample.labels) == set(real["vllm:cache_config_info"].samples[0].labels)
+    assert 0.0 <= fams["vllm:kv_cache_usage_perc"].samples[0].value <= 1.0
+
+
+def test_cache_options_on_the_command_line() -> None:
+    out = CliRunner().invoke(main, ["fake-worker", "--help"])
+    assert out.exit_code == 0
+    for option in ("--block-size", "--num-gpu-blocks", "--prefill-ms-per-token"):
+        assert option in out.output
+    bad = CliRunner().invoke(main, ["fake-worker", "--num-gpu-blocks", "0"])
+    assert bad.exit_code != 0 and "--num-gpu-blocks" in bad.output

@@ -1,0 +1,171 @@
+"""vLLM's automatic prefix cache, in blocks: lookup, pinning, LRU eviction, usage.
+
+Pure bookkeeping (no asyncio, no clock), shaped after vLLM V1's KV-cache manager:
+
+- A prompt is cut into blocks of `block_size` tokens. Each full block is named by a
+  chained hash, hash(parent's hash, the block's token ids), seeded with the model name,
+  so two prompts share exactly the blocks of their common block-aligned prefix.
+- `admit` looks the prompt's blocks up in order and stops at the first miss. As in
+  vLLM, at least the prompt's last token is always computed, so a prompt that is
+  cached whole still misses its last block (or its only one). It counts the prompt's
+  tokens as queried and the cached ones as hits (vllm:prefix_cache_queries/hits).
+- A running sequence pins its blocks: the cached ones it hit, and blocks for the rest
+  of its prompt and for every token it generates. The new full prompt blocks become
+  visible to other requests only once computed (`commit`, after prefill), as in vLLM,
+  where blocks are cached at the end of the step that fills them. Generated tokens and
+  a partial last block are held without a hash: they count toward usage and are freed
+  when the sequence ends (vLLM would cache full generated blocks too; the fake's
+  answers are not a later prompt's text, so they could never hit).
+- A block no running sequence uses stays cached, in LRU order, until space is needed.
+  Released sequences give their blocks back tail first, so a prompt's tail is evicted
+  before its head (as vLLM's free queue does).
+- With `capacity=None` nothing is ever evicted. With a capacity, sequences whose
+  pinned blocks exceed it still run (the fake does not preempt, where vLLM would);
+  usage then reads 1.0.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+def block_hashes(model: str, token_ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks: hash(parent, block tokens)."""
+    # Tuples of ints hash the same in every process (only str/bytes hashes are salted).
+    parent = zlib.crc32(model.encode())
+    out = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        out.append(parent)
+    return out
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One running request's hold on the cache."""
+
+    pinned: list[int]  # hashes of the cached prompt blocks it holds, in prompt order
+    pending: list[int]  # hashes of prompt blocks it is computing (held privately until commit)
+    private: int  # blocks held without a hash: pending ones, a partial block, generated tokens
+    tokens: int  # tokens the sequence holds (prompt + generated so far)
+    hit_tokens: int  # prompt tokens found in the cache at admission
+    released: bool = field(default=False)
+
+    @property
+    def uncached_tokens(self) -> int:
+        """Prompt tokens this sequence must prefill itself."""
+        return self.tokens - self.hit_tokens
+
+
+class PrefixCache:
+    """The block pool of one worker: cached blocks by hash, pinned or evictable."""
+
+    def __init__(self, block_size: int, capacity: int | None) -> None:
+        self.block_size = block_size
+        self.capacity = capacity
+        self._refs: dict[int, int] = {}  # cached block hash -> sequences pinning it
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # refs == 0, LRU first
+        self._private = 0  # blocks held by sequences without a hash
+        self.queries = 0  # prompt tokens looked up, since start
+        self.hits = 0  # of which found cached
+
+    # --- what /metrics reports ---------------------------------------------------------
+
+    @property
+    def blocks_in_use(self) -> int:
+        """Blocks some running sequence holds (pinned or private)."""
+        return len(self._refs) - len(self._evictable) + self._private
+
+    @property
+    def blocks_cached(self) -> int:
+        """Blocks that hold a prompt's KV, pinned or evictable."""
+        return len(self._refs)
+
+    def usage(self) -> float | None:
+        """Fraction of the capacity in use (0..1), or None without a capacity."""
+        if self.capacity is None:
+            return None
+        return min(1.0, self.blocks_in_use / self.capacity)
+
+    # --- a sequence's life -------------------------------------------------------------
+
+    def admit(self, model: str, token_ids: list[int]) -> Sequence:
+        """Look the prompt up, pin what hits, and hold blocks for the rest of it."""
+        size = self.block_size
+        hashes = block_hashes(model, token_ids, size)
+        # vLLM computes at least the last prompt token, so it never hits the whole prompt.
+        max_hit = (len(token_ids) - 1) // size
+        hit = 0
+        while hit < min(max_hit, len(hashes)) and hashes[hit] in self._refs:
+            hit += 1
+        for h in hashes[:hit]:
+            self._pin(h)
+        self.queries += len(token_ids)
+        self.hits += hit * size
+        seq = Sequence(
+            pinned=hashes[:hit],
+            pending=hashes[hit:],
+            private=0,
+            tokens=len(token_ids),
+            hit_tokens=hit * size,
+        )
+        self._hold(seq, -(-len(token_ids) // size) - hit)
+        return seq
+
+    def commit(self, seq: Sequence) -> None:
+        """The prompt is computed: its full blocks become cached and visible to others."""
+        for h in seq.pending:
+            seq.private -= 1
+            self._private -= 1
+            if h in self._refs:  # computed meanwhile by another sequence: share theirs
+                self._pin(h)
+            else:
+                self._refs[h] = 1
+            seq.pinned.append(h)
+        seq.pending = []
+
+    def grow(self, seq: Sequence, tokens: int) -> None:
+        """The sequence now holds `tokens` tokens: hold blocks for the new ones."""
+        size = self.block_size
+        have = -(-seq.tokens // size)
+        seq.tokens = max(seq.tokens, tokens)
+        self._hold(seq, -(-seq.tokens // size) - have)
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence ended (finished or aborted): unpin its blocks, free the rest."""
+        if seq.released:
+            return
+        seq.released = True
+        self._private -= seq.private
+        seq.private = 0
+        for h in reversed(seq.pinned):  # tail first: evicted before the head
+            self._refs[h] -= 1
+            if self._refs[h] == 0:
+                self._evictable[h] = None
+        seq.pinned = []
+        self._evict(0)
+
+    # --- the pool ----------------------------------------------------------------------
+
+    def _pin(self, h: int) -> None:
+        self._refs[h] += 1
+        self._evictable.pop(h, None)
+
+    def _hold(self, seq: Sequence, blocks: int) -> None:
+        if blocks <= 0:
+            return
+        self._evict(blocks)
+        seq.private += blocks
+        self._private += blocks
+
+    def _evict(self, room: int) -> None:
+        """Evict least recently used unpinned blocks until `room` more blocks fit."""
+        if self.capacity is None:
+            return
+        excess = len(self._refs) + self._private + room - self.capacity
+        while excess > 0 and self._evictable:
+            h, _ = self._evictable.popitem(last=False)
+            del self._refs[h]
+            excess -= 1
