@@ -32,6 +32,7 @@ from pathlib import Path
 
 from benchmarks.backend import MODEL, raise_fd_limit
 from benchmarks.procs import Proc, free_port, wait_http
+from benchmarks.router import INSTALL_HINT, find_router, start_router
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench-out"
@@ -123,15 +124,6 @@ def start_gateway(backend: str, processes: int = 1) -> tuple[Proc, str]:
     return proc, url
 
 
-def find_router(args: argparse.Namespace) -> str | None:
-    if args.no_router:
-        return None
-    for candidate in (args.router, OUT / "router-venv/bin/vllm-router", "vllm-router"):
-        if candidate and (path := shutil.which(str(candidate))):
-            return path
-    return None
-
-
 # "lean": vllm-router doing the least it can (the fairest relay-only comparison);
 # "default": as `vllm-router --worker-urls ...` runs out of the box (cache_aware policy,
 # retries and circuit breaker on), as the gateway runs with its own defaults.
@@ -142,14 +134,8 @@ ROUTER_FLAGS = {
 ROUTER_MODE = "lean"
 
 
-def start_router(binary: str, backend: str) -> tuple[Proc, str]:
-    port = free_port()
-    cmd = [binary, "--worker-urls", backend, "--port", str(port), *ROUTER_FLAGS[ROUTER_MODE]]
-    cmd += ["--log-level", "warning"]
-    proc = Proc("vllm-router", cmd, str(OUT / "vllm-router.log"))
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", 60, proc)
-    return proc, url
+def start_relay_router(binary: str, backend: str) -> tuple[Proc, str]:
+    return start_router(binary, [backend], ROUTER_FLAGS[ROUTER_MODE])
 
 
 # --- load -------------------------------------------------------------------------------
@@ -304,7 +290,7 @@ def start_relays(
     targets: list[tuple[str, str, Proc | None]] = [("direct", backend_url, None)] if direct else []
     targets.append(("gateway", gw_url, gateway))
     if router_bin:
-        router, router_url = start_router(router_bin, backend_url)
+        router, router_url = start_relay_router(router_bin, backend_url)
         procs.append(router)
         targets.append(("vllm-router", router_url, router))
     return targets
@@ -585,12 +571,12 @@ def main(argv: list[str]) -> None:
     modes = list(MODES) if "all" in args.modes else args.modes
     OUT.mkdir(exist_ok=True)
     raise_fd_limit()
-    router_bin = find_router(args)
+    router_bin = find_router(args.router, args.no_router)
     print(
         f"vllm-gateway relay benchmark: {os.cpu_count()} cores, python {sys.version.split()[0]}, "
         f"load: {'wrk' if args.wrk else 'built-in'}, "
         f"requests backend: {'nginx' if args.nginx and shutil.which('nginx') else 'python'}, "
-        f"vllm-router: {router_bin or 'not installed (pip install vllm-router)'}"
+        f"vllm-router: {router_bin or INSTALL_HINT}"
         f"{f' ({ROUTER_MODE} flags)' if router_bin else ''}"
     )
     started = time.monotonic()

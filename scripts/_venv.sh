@@ -18,3 +18,10 @@ ensure_venv() {
     touch "$stamp"
   fi
 }
+
+# vllm-router from PyPI into bench-out/router-venv, where the benchmarks look for it
+# (benchmarks/router.py), for the side-by-side comparisons.
+install_router() {
+  "$PYTHON" -m venv bench-out/router-venv
+  bench-out/router-venv/bin/pip install -q --disable-pip-version-check vllm-router
+}
