@@ -1,0 +1,169 @@
+"""The dispatch benchmark's workload families: each a cluster of fake workers and its load.
+
+    hetero     3 workers of unequal batch size (max_num_seqs 16, 8 and 12), the last at
+               half speed; Poisson arrivals at --load of the computed capacity; output
+               lengths uniform within +-50% of the mean.
+    multiturn  4 workers with a prefix cache that holds --cache-share of all the
+               conversations' blocks (so not every conversation) and a prefill cost per
+               uncached token; 80 conversations of 6 turns over 4 long system prompts,
+               each turn's prompt the system prompt + the whole history + a new message,
+               with think time between turns.
+    burst      3 equal workers; Poisson arrivals at 0.4 x capacity, raised to 2.5 x
+               capacity for 1 s of every 6 s.
+    longtail   3 equal workers; Poisson arrivals at --load of capacity; log-normal output
+               lengths (median 24, sigma 1.2, up to 1024 tokens): a few answers are 20x
+               the median and hold their batch slot that long.
+
+Every family's rates come from the capacity its workers compute to (workload.py), so a
+change of worker speed or batch size changes the load with it. Conversations that start
+during --warmup are sent but not measured.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from benchmarks.workload import (
+    Conversation,
+    TokenDraw,
+    Turn,
+    WorkerSpec,
+    bursts,
+    lognormal,
+    mean_of,
+    poisson,
+    single_turns,
+    spread,
+    system_prompts,
+    text,
+)
+
+BLOCK_SIZE = 16  # the fake worker's default, as vLLM's
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The knobs every family reads (from the command line)."""
+
+    warmup: float  # seconds of arrivals not measured
+    duration: float  # seconds of measured arrivals
+    load: float  # hetero and longtail: offered load as a fraction of capacity
+    cache_share: float  # multiturn: the fleet's KV blocks / all conversations' blocks
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    workers: tuple[WorkerSpec, ...]
+    setup: str  # one line for the report
+    build: Callable[[random.Random], list[Conversation]]
+
+
+def _open_loop(
+    name: str, workers: tuple[WorkerSpec, ...], draw: TokenDraw, rate: float, sizes: Sizes
+) -> Family:
+    systems = system_prompts(8, 24)
+    end = sizes.warmup + sizes.duration
+
+    def build(rng: random.Random) -> list[Conversation]:
+        return single_turns(rng, poisson(rng, rate, 0.0, end), draw, systems)
+
+    return Family(name, workers, f"{rate:.1f} req/s Poisson", build)
+
+
+def _capacity(workers: tuple[WorkerSpec, ...], draw: TokenDraw) -> float:
+    mean = mean_of(draw)
+    return sum(w.capacity(mean) for w in workers)
+
+
+def hetero(sizes: Sizes) -> Family:
+    half = WorkerSpec(ttft_ms=80, tpot_ms=40, max_num_seqs=12)  # half speed
+    workers = (WorkerSpec(40, 20, 16), WorkerSpec(40, 20, 8), half)
+    draw = spread(48)
+    cap = _capacity(workers, draw)
+    family = _open_loop("hetero", workers, draw, sizes.load * cap, sizes)
+    setup = f"capacity {cap:.1f} req/s, {family.setup} ({sizes.load:g}); max_tokens 24..72"
+    return Family("hetero", workers, setup, family.build)
+
+
+def longtail(sizes: Sizes) -> Family:
+    workers = (WorkerSpec(40, 20, 16),) * 3
+    draw = lognormal(median=24, sigma=1.2, low=1, high=1024)
+    cap = _capacity(workers, draw)
+    family = _open_loop("longtail", workers, draw, sizes.load * cap, sizes)
+    setup = (
+        f"capacity {cap:.1f} req/s, {family.setup} ({sizes.load:g}); max_tokens log-normal "
+        f"(median 24, sigma 1.2, 1..1024, mean {mean_of(draw):.0f})"
+    )
+    return Family("longtail", workers, setup, family.build)
+
+
+def burst(sizes: Sizes) -> Family:
+    workers = (WorkerSpec(40, 20, 8),) * 3
+    draw = spread(32)
+    cap = _capacity(workers, draw)
+    base, peak, period, length = 0.4 * cap, 2.5 * cap, 6.0, 1.0
+    systems = system_prompts(8, 24)
+    end = sizes.warmup + sizes.duration
+
+    def build(rng: random.Random) -> list[Conversation]:
+        return single_turns(rng, bursts(rng, base, peak, period, length, end), draw, systems)
+
+    setup = (
+        f"capacity {cap:.1f} req/s; Poisson {base:.1f} req/s, {peak:.1f} req/s for "
+        f"{length:g} s of every {period:g} s; max_tokens 16..48"
+    )
+    return Family("burst", workers, setup, build)
+
+
+# multiturn's shape: the issue's ~80 conversations of ~6 turns over 4 long system prompts.
+CONVERSATIONS, TURNS, SYSTEMS, SYSTEM_WORDS = 80, 6, 4, 512
+USER_WORDS, ANSWER_TOKENS, THINK_MEAN = 32, 24, 0.5
+# Prefill per uncached token: a cold last-turn prompt (~850 tokens) then costs about as much
+# as its answer's decode (24 x 20 ms), as for long-context chat; a cached one, a tenth of it.
+PREFILL_MS_PER_TOKEN = 0.5
+
+
+def multiturn(sizes: Sizes) -> Family:
+    systems = system_prompts(SYSTEMS, SYSTEM_WORDS)
+    # Blocks to hold every conversation's last prompt, the system prompts once each.
+    history = TURNS * (USER_WORDS + ANSWER_TOKENS)
+    every = CONVERSATIONS * math.ceil(history / BLOCK_SIZE)
+    every += SYSTEMS * math.ceil(SYSTEM_WORDS / BLOCK_SIZE)
+    count = 4
+    blocks = math.ceil(sizes.cache_share * every / count)
+    workers = (WorkerSpec(20, 20, 16, blocks, PREFILL_MS_PER_TOKEN),) * count
+    user, answer = spread(USER_WORDS), spread(ANSWER_TOKENS)
+    end = sizes.warmup + sizes.duration
+
+    def build(rng: random.Random) -> list[Conversation]:
+        starts = sorted(rng.uniform(0.0, end) for _ in range(CONVERSATIONS))
+        out = []
+        for i, start in enumerate(starts):
+            turns = tuple(
+                Turn(text(rng, user(rng), f"c{i}t{t}-"), answer(rng),
+                     rng.expovariate(1 / THINK_MEAN) if t else 0.0)
+                for t in range(TURNS)
+            )  # fmt: skip
+            out.append(Conversation(start, rng.choice(systems), f"conv{i}", turns))
+        return out
+
+    setup = (
+        f"{CONVERSATIONS} conversations x {TURNS} turns starting over {end:g} s, "
+        f"{SYSTEMS} system prompts of {SYSTEM_WORDS} tokens, user messages "
+        f"{USER_WORDS} +-50%, answers {ANSWER_TOKENS} +-50% tokens, think time exp. mean "
+        f"{THINK_MEAN:g} s; KV cache {blocks} blocks per worker = {sizes.cache_share:g} of "
+        f"all conversations' {every} / {count}"
+    )
+    return Family("multiturn", workers, setup, build)
+
+
+FAMILIES: dict[str, Callable[[Sizes], Family]] = {
+    "hetero": hetero,
+    "multiturn": multiturn,
+    "burst": burst,
+    "longtail": longtail,
+}

@@ -1,0 +1,97 @@
+"""The processes of one dispatch measurement: fake workers, and the system in front of them.
+
+A system is a dispatcher and its policy: the gateway (`vllm-gateway serve --policy P`,
+any name it accepts, passed through) or vllm-router (`--policy P`). With replicas > 1,
+that many processes of it are started separately in front of the same workers, each
+with its own view of them (as behind an L4 balancer). Logs go to bench-out/.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.procs import Proc, free_port, wait_http
+from benchmarks.router import start_router
+from benchmarks.workload import WorkerSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench-out"
+GATEWAY, ROUTER = "gateway", "vllm-router"
+
+
+@dataclass(frozen=True)
+class System:
+    kind: str  # GATEWAY or ROUTER
+    policy: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} {self.policy}"
+
+
+def default_policy() -> str:
+    """The gateway's default policy, from its own settings (whatever it is today)."""
+    from vllm_gateway.config.gateway import GatewayConfig
+
+    return GatewayConfig().policy
+
+
+def start_workers(specs: Sequence[WorkerSpec]) -> tuple[list[Proc], list[str]]:
+    """Start one fake worker process per spec (all at once), wait until each is healthy."""
+    procs, urls = [], []
+    for i, spec in enumerate(specs):
+        port = free_port()
+        cmd = [sys.executable, "-m", "vllm_gateway.fake_worker", "--port", str(port)]
+        cmd += spec.args()
+        procs.append(Proc(f"worker{i}", cmd, str(OUT / f"dispatch-worker{i}.log"), cwd=ROOT))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for proc, url in zip(procs, urls, strict=True):
+            wait_http(url + "/health", 30, proc)
+    except Exception:
+        stop(procs)
+        raise
+    return procs, urls
+
+
+def start_system(
+    system: System, workers: list[str], replicas: int, router_bin: str | None
+) -> tuple[list[Proc], list[str]]:
+    """Start `replicas` processes of `system` in front of `workers`: procs and entry URLs."""
+    procs: list[Proc] = []
+    urls: list[str] = []
+    try:
+        for r in range(replicas):
+            if system.kind == ROUTER:
+                assert router_bin is not None
+                name = f"dispatch-router-{system.policy}-{r}"
+                proc, url = start_router(router_bin, workers, ["--policy", system.policy], name)
+            else:
+                proc, url = _start_gateway(system.policy, workers, r)
+            procs.append(proc)
+            urls.append(url)
+    except Exception:
+        stop(procs)
+        raise
+    return procs, urls
+
+
+def _start_gateway(policy: str, workers: list[str], replica: int) -> tuple[Proc, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm_gateway", "serve", "--port", str(port)]
+    cmd += ["--policy", policy, "--log-level", "warning", "--log-format", "json"]
+    for url in workers:
+        cmd += ["--worker", url]
+    log = str(OUT / f"dispatch-gateway-{policy}-{replica}.log")
+    proc = Proc(f"gateway-{policy}-{replica}", cmd, log, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", 30, proc)
+    return proc, url
+
+
+def stop(procs: Sequence[Proc]) -> None:
+    for proc in procs:
+        proc.stop()
