@@ -90,7 +90,8 @@ def hetero(sizes: Sizes) -> Family:
 
 
 def longtail(sizes: Sizes) -> Family:
-    workers = (WorkerSpec(40, 20, 16),) * 3
+    # Small batches, so that a few long answers can fill a worker's slots.
+    workers = (WorkerSpec(40, 20, 8),) * 3
     draw = lognormal(median=24, sigma=1.2, low=1, high=1024)
     cap = _capacity(workers, draw)
     family = _open_loop("longtail", workers, draw, sizes.load * cap, sizes)
