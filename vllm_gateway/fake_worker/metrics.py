@@ -123,79 +123,85 @@ class EngineMetrics:
 
         `usage` is the KV-cache usage gauge's value (0..1).
         """
-        lab = self.labels
-        out: list[str] = _process_lines()
+        page = _Page(self.labels, self.created)
         # vLLM sets its info gauge once, at engine start; it comes first on its page.
-        out += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
-                "# TYPE vllm:cache_config_info gauge",
-                f"vllm:cache_config_info{_labels(cache.config_labels())} 1.0"]  # fmt: skip
-
-        def family(name: str, kind: str, text: str) -> None:
-            out.append(f"# HELP {name} {text}")
-            out.append(f"# TYPE {name} {kind}")
-
-        def gauge(name: str, text: str, value: float) -> None:
-            family(name, "gauge", text)
-            out.append(f"{name}{_labels(lab)} {_num(value)}")
-
-        def created(name: str, text: str, label_sets: list[dict[str, str]], when: float) -> None:
-            # prometheus_client puts each counter's and histogram's creation time in a
-            # gauge family of its own, right after it.
-            family(f"{name}_created", "gauge", text)
-            out.extend(f"{name}_created{_labels(labels)} {_num(when)}" for labels in label_sets)
-
-        def counter(name: str, text: str, values: dict[str, float], label: str = "") -> None:
-            family(f"{name}_total", "counter", text)
-            label_sets = [{**lab, label: key} if label else lab for key in values]
-            for labels, value in zip(label_sets, values.values(), strict=True):
-                out.append(f"{name}_total{_labels(labels)} {_num(value)}")
-            created(name, text, label_sets, self.created)
-
-        def histogram(name: str, text: str, hist: Histogram) -> None:
-            family(name, "histogram", text)
-            out.extend(hist.lines(name, lab))
-            created(name, text, [lab], hist.created)
-
-        gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
-              running)  # fmt: skip
-        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-              waiting)  # fmt: skip
+        page.family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig")
+        page.out.append(f"vllm:cache_config_info{_labels(cache.config_labels())} 1.0")
+        page.gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                   running)  # fmt: skip
+        page.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                   waiting)  # fmt: skip
         if self.legacy:
-            gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.",
-                  usage)  # fmt: skip
+            page.gauge("vllm:gpu_cache_usage_perc",
+                       "GPU KV-cache usage. 1 means 100 percent usage.", usage)  # fmt: skip
         else:
-            gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                  usage)  # fmt: skip
-        if not self.legacy:  # V0 engines (legacy pages) had a hit-rate gauge instead
-            counter("vllm:prefix_cache_queries",
-                    "Prefix cache queries, in terms of number of queried tokens.",
-                    {"": cache.queries})  # fmt: skip
-            counter("vllm:prefix_cache_hits",
-                    "Prefix cache hits, in terms of number of cached tokens.",
-                    {"": cache.hits})  # fmt: skip
-        family("vllm:lora_requests_info", "gauge", "Running stats on lora requests.")
+            page.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                       usage)  # fmt: skip
+            # V0 engines (the legacy page) reported a hit-rate gauge instead.
+            page.counter("vllm:prefix_cache_queries",
+                         "Prefix cache queries, in terms of number of queried tokens.",
+                         {"": cache.queries})  # fmt: skip
+            page.counter("vllm:prefix_cache_hits",
+                         "Prefix cache hits, in terms of number of cached tokens.",
+                         {"": cache.hits})  # fmt: skip
+        page.family("vllm:lora_requests_info", "gauge", "Running stats on lora requests.")
         lora_labels = {
             "max_lora": str(self.max_loras),
             "running_lora_adapters": ",".join(running_loras),
             "waiting_lora_adapters": ",".join(waiting_loras),
         }
-        out.append(f"vllm:lora_requests_info{_labels(lora_labels)} {_num(time.time())}")
-        counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
-                {"": 0})  # fmt: skip
-        counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                {"": self.prompt_tokens})  # fmt: skip
-        counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                {"": self.generation_tokens})  # fmt: skip
-        counter("vllm:request_success", "Count of successfully processed requests.",
-                dict(self.finished), label="finished_reason")  # fmt: skip
-        histogram("vllm:time_to_first_token_seconds",
-                  "Histogram of time to first token in seconds.", self.ttft)  # fmt: skip
-        histogram("vllm:time_per_output_token_seconds",
-                  "Histogram of time per output token in seconds.", self.tpot)  # fmt: skip
-        histogram("vllm:e2e_request_latency_seconds",
-                  "Histogram of e2e request latency in seconds.", self.e2e)  # fmt: skip
-        out.append("")
-        return "\n".join(out)
+        page.out.append(f"vllm:lora_requests_info{_labels(lora_labels)} {_num(time.time())}")
+        page.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                     {"": 0})  # fmt: skip
+        page.counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                     {"": self.prompt_tokens})  # fmt: skip
+        page.counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                     {"": self.generation_tokens})  # fmt: skip
+        page.counter("vllm:request_success", "Count of successfully processed requests.",
+                     dict(self.finished), label="finished_reason")  # fmt: skip
+        page.histogram("vllm:time_to_first_token_seconds",
+                       "Histogram of time to first token in seconds.", self.ttft)  # fmt: skip
+        page.histogram("vllm:time_per_output_token_seconds",
+                       "Histogram of time per output token in seconds.", self.tpot)  # fmt: skip
+        page.histogram("vllm:e2e_request_latency_seconds",
+                       "Histogram of e2e request latency in seconds.", self.e2e)  # fmt: skip
+        page.out.append("")
+        return "\n".join(page.out)
+
+
+class _Page:
+    """Writes metric families in prometheus_client's text format, engine labels on each."""
+
+    def __init__(self, labels: dict[str, str], created: float) -> None:
+        self.labels = labels
+        self.created = created
+        self.out: list[str] = _process_lines()
+
+    def family(self, name: str, kind: str, text: str) -> None:
+        self.out.append(f"# HELP {name} {text}")
+        self.out.append(f"# TYPE {name} {kind}")
+
+    def gauge(self, name: str, text: str, value: float) -> None:
+        self.family(name, "gauge", text)
+        self.out.append(f"{name}{_labels(self.labels)} {_num(value)}")
+
+    def _created(self, name: str, text: str, label_sets: list[dict[str, str]], when: float) -> None:
+        # prometheus_client puts each counter's and histogram's creation time in a
+        # gauge family of its own, right after it.
+        self.family(f"{name}_created", "gauge", text)
+        self.out.extend(f"{name}_created{_labels(ls)} {_num(when)}" for ls in label_sets)
+
+    def counter(self, name: str, text: str, values: dict[str, float], label: str = "") -> None:
+        self.family(f"{name}_total", "counter", text)
+        label_sets = [{**self.labels, label: key} if label else self.labels for key in values]
+        for labels, value in zip(label_sets, values.values(), strict=True):
+            self.out.append(f"{name}_total{_labels(labels)} {_num(value)}")
+        self._created(name, text, label_sets, self.created)
+
+    def histogram(self, name: str, text: str, hist: Histogram) -> None:
+        self.family(name, "histogram", text)
+        self.out.extend(hist.lines(name, self.labels))
+        self._created(name, text, [self.labels], hist.created)
 
 
 _START_TIME = time.time()
