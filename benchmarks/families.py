@@ -124,7 +124,8 @@ def burst(sizes: Sizes) -> Family:
 CONVERSATIONS, TURNS, SYSTEMS, SYSTEM_WORDS = 80, 6, 4, 512
 USER_WORDS, ANSWER_TOKENS, THINK_MEAN = 32, 24, 0.5
 # Prefill per uncached token: a cold last-turn prompt (~850 tokens) then costs about as much
-# as its answer's decode (24 x 20 ms), as for long-context chat; a cached one, a tenth of it.
+# as its answer's decode (24 x 20 ms), as for long-context chat; a turn whose history is
+# cached prefills only its new ~60 tokens (~30 ms).
 PREFILL_MS_PER_TOKEN = 0.5
 
 
