@@ -1,0 +1,63 @@
+"""The dispatch benchmark's workloads: arrival processes, families, the hit-rate reading."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from benchmarks.cache_stats import _SAMPLE, hit_rate
+from benchmarks.families import FAMILIES, Sizes, multiturn
+from benchmarks.workload import WorkerSpec, bursts, poisson
+from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
+
+SIZES = Sizes(warmup=3, duration=15, load=0.7, cache_share=0.5)
+
+
+def test_poisson_and_bursts_keep_their_rates() -> None:
+    rng = random.Random(1)
+    assert 900 < len(list(poisson(rng, 10.0, 0.0, 100.0))) < 1100
+    arrivals = list(bursts(rng, base=5.0, peak=50.0, period=5.0, length=1.0, end=500.0))
+    in_bursts = sum(1 for t in arrivals if t % 5.0 < 1.0)
+    assert arrivals == sorted(arrivals)
+    assert 4000 < in_bursts < 6000  # 100 s of bursts at 50/s
+    assert 1600 < len(arrivals) - in_bursts < 2400  # 400 s at 5/s
+
+
+def test_capacity_follows_the_workers() -> None:
+    fast, slow = WorkerSpec(40, 20, 16), WorkerSpec(80, 40, 16)
+    assert fast.capacity(51) == pytest.approx(16 / 1.04)
+    assert slow.capacity(51) == pytest.approx(fast.capacity(51) / 2)
+
+
+def test_families_are_deterministic_per_seed() -> None:
+    for make in FAMILIES.values():
+        family = make(SIZES)
+        one, two = family.build(random.Random(5)), family.build(random.Random(5))
+        assert one == two and one != family.build(random.Random(6))
+        assert all(0 <= c.start < SIZES.warmup + SIZES.duration for c in one)
+
+
+def test_multiturn_cache_holds_a_share_of_every_conversation() -> None:
+    family = multiturn(SIZES)
+    conversations = family.build(random.Random(0))
+    assert len(conversations) == 80 and {len(c.turns) for c in conversations} == {6}
+    assert len({c.system for c in conversations}) == 4
+    blocks = {w.num_gpu_blocks for w in family.workers}
+    assert len(family.workers) == 4 and len(blocks) == 1
+    (per_worker,) = blocks
+    bigger = multiturn(Sizes(3, 15, 0.7, cache_share=1.0)).workers[0].num_gpu_blocks
+    assert per_worker is not None and bigger is not None
+    assert bigger == pytest.approx(2 * per_worker, abs=1)
+
+
+def test_hit_rate_reads_the_fake_workers_counters() -> None:
+    page = EngineMetrics("m", 0, legacy=False).render(
+        running=0, waiting=0, usage=0.0, cache=CacheInfo(16, None, 200, 50),
+        running_loras=[], waiting_loras=[],
+    )  # fmt: skip
+    assert dict(_SAMPLE.findall(page)) == {
+        "vllm:prefix_cache_queries_total": "200.0",
+        "vllm:prefix_cache_hits_total": "50.0",
+    }
+    assert hit_rate((100, 10), (300, 60)) == 0.25
