@@ -145,19 +145,25 @@ def main() -> None:
     chosen = systems(args, router_bin)
     kinds = {s.name: s.kind for s in chosen}
     results = {f.name: {s.name: [] for s in chosen} for f in families}
+    raw = OUT / f"dispatch-families-r{args.replicas}.json"
     for run in range(args.runs):
         for family in families:
             for system in chosen:
-                r = measure(family, system, 1000 + run, args, router_bin)
+                label = f"run {run + 1} {family.name:9s} {system.name:26s}"
+                try:
+                    r = measure(family, system, 1000 + run, args, router_bin)
+                except RuntimeError as e:  # a process that would not start: say so, go on
+                    print(f"{label} failed: {e}", flush=True)
+                    continue
                 results[family.name][system.name].append(r)
-                print(f"run {run + 1} {family.name:9s} {system.name:26s} {brief(r)}", flush=True)
-    with open(OUT / f"dispatch-families-r{args.replicas}.json", "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, default=str)
+                print(f"{label} {brief(r)}", flush=True)
+                # Written after every measurement, so a stopped run keeps what it measured.
+                raw.write_text(json.dumps({"args": vars(args), "results": results}, default=str))
     for family in families:
         kinds_of = Counter(w.describe() for w in family.workers)
         workers = "; ".join(f"{n} x {text}" if n > 1 else text for text, n in kinds_of.items())
         setup = f"{len(family.workers)} workers ({workers}); {family.setup}"
-        lines = report.table(results[family.name], kinds)
+        lines = report.table(results[family.name], kinds, args.runs)
         block = report.section(family.name, args.replicas, setup, args.runs, lines)
         print("\n" + "\n".join(block), flush=True)
         if not args.no_doc:

@@ -53,7 +53,7 @@ def cell(key: str, value: float) -> str:
     return f"{value * 1000:.0f} ms" if value < 10 else f"{value:.1f} s"
 
 
-def table(results: dict[str, list[dict]], kinds: dict[str, str]) -> list[str]:
+def table(results: dict[str, list[dict]], kinds: dict[str, str], runs_wanted: int) -> list[str]:
     """Markdown rows: one per system, the medians then the ratios to the best router."""
     ref = best_router(results, kinds)
     head = [title for title, _ in COLUMNS] + ["CPU idle"]
@@ -68,6 +68,8 @@ def table(results: dict[str, list[dict]], kinds: dict[str, str]) -> list[str]:
                 mine, theirs = median(runs, key), median(results[ref], key)
                 row.append(f"{mine / theirs:.2f}" if theirs else "-")
         label = f"{name} (best router)" if name == ref else name
+        if len(runs) < runs_wanted:  # some runs failed to start it
+            label += f" ({len(runs)} of {runs_wanted} runs)"
         lines.append(f"| {label} | " + " | ".join(row) + " |")
     return lines
 

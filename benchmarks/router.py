@@ -35,6 +35,9 @@ def start_router(
     """
     port = free_port()
     cmd = [binary, "--worker-urls", *workers, "--host", "127.0.0.1", "--port", str(port)]
+    # Its Prometheus exporter listens on a fixed port by default (29000): a second router
+    # (a replica, or another benchmark's) would fail to start.
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
     cmd += [*flags, "--log-level", "warning"]
     proc = Proc(name, cmd, str(OUT / f"{name}.log"))
     url = f"http://127.0.0.1:{port}"
