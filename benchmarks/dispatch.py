@@ -36,6 +36,7 @@ from benchmarks.systems import (
     ROUTER,
     System,
     default_policy,
+    kind_of,
     start_system,
     start_workers,
     stop,
@@ -132,19 +133,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quiet-wait", type=float, default=30.0,
                     help="... but at most this many seconds")  # fmt: skip
     ap.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--from-json", metavar="PATH",
+                    help="report a bench-out/dispatch-families-r<N>.json again")  # fmt: skip
     return ap.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
-    OUT.mkdir(exist_ok=True)
-    sizes = Sizes(args.warmup, args.duration, args.load, args.cache_share)
-    families = [FAMILIES[name](sizes) for name in args.families.split(",")]
-    router_bin = find_router(args.router, args.no_router)
-    print(f"vllm-router: {router_bin or INSTALL_HINT + '; running the gateway only'}", flush=True)
-    chosen = systems(args, router_bin)
-    kinds = {s.name: s.kind for s in chosen}
-    results = {f.name: {s.name: [] for s in chosen} for f in families}
+def run_all(
+    args: argparse.Namespace, families: list[Family], chosen: list[System], router_bin: str | None
+) -> dict[str, dict[str, list[dict]]]:
+    """Every run of every family on every system; results[family][system] = per-run figures."""
+    results: dict[str, dict[str, list[dict]]] = {
+        f.name: {s.name: [] for s in chosen} for f in families
+    }
     raw = OUT / f"dispatch-families-r{args.replicas}.json"
     for run in range(args.runs):
         for family in families:
@@ -158,8 +158,23 @@ def main() -> None:
                 results[family.name][system.name].append(r)
                 print(f"{label} {brief(r)}", flush=True)
                 # Written after every measurement, so a stopped run keeps what it measured.
-                raw.write_text(json.dumps({"args": vars(args), "results": results}, default=str))
+                raw.write_text(json.dumps({"args": vars(args), "results": results}))
+    return results
+
+
+def main() -> None:
+    args = parse_args()
+    OUT.mkdir(exist_ok=True)
+    sizes = Sizes(args.warmup, args.duration, args.load, args.cache_share)
+    families = [FAMILIES[name](sizes) for name in args.families.split(",")]
+    if args.from_json:  # report figures measured before, measure nothing
+        results = json.loads(Path(args.from_json).read_text())["results"]
+    else:
+        router_bin = find_router(args.router, args.no_router)
+        print(f"vllm-router: {router_bin or INSTALL_HINT + '; running the gateway only'}")
+        results = run_all(args, families, systems(args, router_bin), router_bin)
     for family in families:
+        kinds = {name: kind_of(name) for name in results[family.name]}
         kinds_of = Counter(w.describe() for w in family.workers)
         workers = "; ".join(f"{n} x {text}" if n > 1 else text for text, n in kinds_of.items())
         setup = f"{len(family.workers)} workers ({workers}); {family.setup}"

@@ -32,6 +32,11 @@ class System:
         return f"{self.kind} {self.policy}"
 
 
+def kind_of(name: str) -> str:
+    """The kind of a system from its name (System.name; neither kind has a space)."""
+    return name.split(" ", 1)[0]
+
+
 def default_policy() -> str:
     """The gateway's default policy, from its own settings (whatever it is today)."""
     from vllm_gateway.config.gateway import GatewayConfig
