@@ -78,7 +78,12 @@ class CacheInfo:
     hits: int  # of which were cached
 
     def config_labels(self) -> dict[str, str]:
-        """vllm:cache_config_info's labels: vLLM V1's CacheConfig fields, as strings."""
+        """vllm:cache_config_info's labels, as strings.
+
+        vLLM puts every CacheConfig field here, and the set changes between versions;
+        these are the fields of the V1-shaped page in tests/data. What a reader of the
+        page looks for is block_size, num_gpu_blocks and enable_prefix_caching.
+        """
         return {
             "block_size": str(self.block_size),
             "cache_dtype": "auto",
