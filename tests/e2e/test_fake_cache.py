@@ -237,3 +237,15 @@ def test_cache_options_on_the_command_line() -> None:
         assert option in out.output
     bad = CliRunner().invoke(main, ["fake-worker", "--num-gpu-blocks", "0"])
     assert bad.exit_code != 0 and "--num-gpu-blocks" in bad.output
+
+
+async def test_responses_prompts_go_through_the_cache(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    worker = await fake_worker(**FAST)
+    body = {"model": "fake-model", "instructions": words(20, "i"), "input": words(20, "in")}
+    for _ in range(2):
+        async with http.post(worker.url + "/v1/responses", json=body) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["usage"]["input_tokens"] == 40
+    assert await counters(http, worker) == (80, 32)
