@@ -125,12 +125,8 @@ async def play(
             asyncio.create_task(player.conversation(c, t0, c.start >= warmup, out))
             for c in conversations
         ]
-
-        async def open_window() -> None:
-            await asyncio.sleep(max(0.0, t0 + warmup - loop.time()))
-            await at_measure()
-
-        await open_window()
+        await asyncio.sleep(max(0.0, t0 + warmup - loop.time()))
+        await at_measure()
         last = max((c.start for c in conversations), default=0.0)
         # Every conversation's turns, then `drain` s for stragglers: bounded.
         longest = max((sum(t.think for t in c.turns) for c in conversations), default=0.0)
