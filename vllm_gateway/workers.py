@@ -60,6 +60,9 @@ class EngineStats:
     waiting: float  # vllm:num_requests_waiting
     kv_cache_usage: float | None  # vllm:kv_cache_usage_perc, 0..1, None when not reported
     at: float  # time.monotonic() of the scrape
+    # KV cache size in tokens (vllm:cache_config_info: num_gpu_blocks x block_size, summed
+    # over engines); None when not reported.
+    cache_tokens: float | None = None
 
 
 class Worker:
@@ -74,6 +77,7 @@ class Worker:
         "finished_since_scrape",
         "inflight",
         "inflight_by_model",
+        "max_num_seqs",
         "models",
         "pace",
         "pinned_models",
@@ -93,6 +97,7 @@ class Worker:
         models: Iterable[str] = (),
         weight: float = 1.0,
         source: Source = Source.STATIC,
+        max_num_seqs: int = 0,
     ) -> None:
         self.url = url
         # Pinned models are the operator's word: probes do not change them.
@@ -106,6 +111,9 @@ class Worker:
         # The same, by the model each lease asked for (a worker may serve several, and a
         # request for one is not demand for the others); no zero entries.
         self.inflight_by_model: dict[str, int] = {}
+        # Requests it runs at once, as the operator declared it (its vLLM --max-num-seqs);
+        # 0: not declared, dispatch learns it (dispatch/buckets.py).
+        self.max_num_seqs = max_num_seqs
         self.sent_since_scrape = 0  # requests sent since `stats` was taken
         self.finished_since_scrape = 0  # requests that ended since `stats` was taken
         self.stats: EngineStats | None = None  # None: never scraped, or the snapshot is stale
@@ -202,12 +210,13 @@ class WorkerRegistry:
         models: Iterable[str] = (),
         weight: float = 1.0,
         source: Source = Source.STATIC,
+        max_num_seqs: int = 0,
     ) -> tuple[Worker, bool]:
         """Add a worker (joining) unless known; return it and whether it was new."""
         worker = self._workers.get(url)
         if worker is not None:
             return worker, False
-        worker = Worker(url, models=models, weight=weight, source=source)
+        worker = Worker(url, models=models, weight=weight, source=source, max_num_seqs=max_num_seqs)
         self._workers[url] = worker
         self._changed()
         log.info("worker added", worker=url, source=str(source), models=sorted(worker.models))
@@ -271,15 +280,22 @@ class WorkerRegistry:
         log.info("worker models", worker=worker.url, models=sorted(new))
         return True
 
-    def reconfigure(self, worker: Worker, *, models: Iterable[str], weight: float) -> bool:
-        """Apply new config-file settings to a worker (pinned models, weight) on reload."""
+    def reconfigure(
+        self, worker: Worker, *, models: Iterable[str], weight: float, max_num_seqs: int = 0
+    ) -> bool:
+        """Apply new config-file settings to a worker (pinned models, weight, batch size)."""
         pinned = frozenset(models)
-        if pinned == worker.pinned_models and weight == worker.weight:
+        if (pinned, weight, max_num_seqs) == (
+            worker.pinned_models,
+            worker.weight,
+            worker.max_num_seqs,
+        ):
             return False
         worker.pinned_models = pinned
         if pinned:
             worker.models = pinned  # unpinned: the next probe reports what it serves
         worker.weight = weight
+        worker.max_num_seqs = max_num_seqs
         self._changed()
         log.info("worker configured", worker=worker.url, models=sorted(pinned), weight=weight)
         return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_gateway.config.gateway import DispatchConfig
-from vllm_gateway.dispatch.buckets import PROBE_HOLDOFF, Buckets
+from vllm_gateway.dispatch.buckets import PROBE_HOLDOFF, PROBE_START, Buckets
 from vllm_gateway.workers import EngineStats, Worker, WorkerRegistry, WorkerState
 
 
@@ -49,10 +49,16 @@ def test_tokens_follow_a_scripted_queue():
     registry, w, b = setup(stop_waiting=8)
     # Never scraped: nothing to go by, the bucket is open.
     assert b.has_token(w)
-    # An empty queue, capacity not learned: full speed (open), however much is sent.
-    report(registry, w, running=10, waiting=0)
-    send(w, b, 50)
-    assert b.has_token(w) and b.describe(w)["tokens"] is None
+    # An empty queue, capacity not learned: the probing limit gates what is in flight...
+    report(registry, w, running=0, waiting=0)
+    send(w, b, int(PROBE_START))
+    assert not b.has_token(w) and b.describe(w)["capacity"] == PROBE_START
+    # ...and doubles with each scrape that shows the worker running it all with no queue.
+    report(registry, w, running=PROBE_START, waiting=0)
+    send(w, b, int(PROBE_START))
+    assert not b.has_token(w) and b.describe(w)["tokens"] is None  # gated, bucket open
+    report(registry, w, running=2 * PROBE_START, waiting=0)
+    assert b.has_token(w) and b.describe(w)["capacity"] == 4 * PROBE_START
     # A queue: it runs all it can (its capacity is learned) and gets nothing more.
     report(registry, w, running=60, waiting=2)
     assert b.by_worker[w].capacity == 60 and not b.has_token(w)

@@ -24,7 +24,7 @@ def write(tmp_path, text: str):
 def test_defaults_without_any_source():
     c = load_config(None, env={})
     assert c == GatewayConfig()
-    assert c.host == "127.0.0.1" and c.port == 8000 and c.policy == "queue"
+    assert c.host == "127.0.0.1" and c.port == 8000 and c.policy == "cache_aware"
 
 
 def test_file_then_env_then_cli_precedence(tmp_path):

@@ -33,7 +33,7 @@ EXAMPLE = """
 ```toml
 host = "0.0.0.0"
 port = 8000
-policy = "queue"
+policy = "cache_aware"
 
 [log]
 format = "json"

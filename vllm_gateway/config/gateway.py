@@ -44,6 +44,13 @@ class WorkerSpec:
         "and remembered while it is out.",
     )
     weight: float = setting(1.0, "Relative share of traffic for weighted policies.", minimum=0.0)
+    max_num_seqs: int = setting(
+        0,
+        "Requests the worker runs at once (its vLLM --max-num-seqs): dispatch sends it no "
+        "more and holds the rest in the admission queue. 0: learned from its reported queue.",
+        unit="requests",
+        minimum=0,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,8 +342,9 @@ class DispatchConfig:
 
     load_bound: float = setting(
         1.25,
-        "session and prefix policies: a worker keeps its affine requests only while its "
-        "load is under this multiple of the fleet's average; then the next in line takes them.",
+        "cache_aware, session and prefix policies: a worker keeps its affine requests only "
+        "while its load is under this multiple of the fleet's average (per unit of speed, "
+        "for cache_aware); then the next in line takes them.",
         minimum=1.0,
     )
     prefix_chars: int = setting(
@@ -394,7 +402,7 @@ class GatewayConfig:
     )
     port: int = setting(8000, "TCP port to listen on.", minimum=0, maximum=65535, cli="--port")
     policy: str = setting(
-        "queue",
+        "cache_aware",
         "Dispatch policy used for every model without its own (see docs/dispatch.md).",
         cli="--policy",
     )

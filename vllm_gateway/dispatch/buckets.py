@@ -17,13 +17,24 @@ admission queue. Tokens come from two sources (docs/dispatch.md has the figure):
   as fast finishes twice as many requests, so it earns twice the tokens: the refill rate
   is its completion pace times the gain.
 
-Capacity is learned, not configured: when a worker reports a waiting queue, the number it
-has running is as many as it can run now. While it runs that many with an empty queue, and
-has shown no queue for `PROBE_HOLDOFF` seconds, the estimate grows by 1, then 2, 3, ... per
-scrape, so a worker that can take more (or an estimate caught low) is found out, and
-overshooting the true capacity puts a few requests in the worker's own queue at most once
-per holdoff before the next scrape corrects it. A worker without a fresh scrape has an open
-bucket too: nothing to go by but in-flight counts, which the policies use.
+In front of the bucket stands the capacity gate: a worker is full, and takes nothing new,
+while this process's in-flight requests to it reach its capacity (its share of it with
+`serve --processes N`). So requests wait in the gateway, where the first slot freed
+anywhere takes the head of the admission queue, and not inside a full worker's queue,
+also before anything was learned. The capacity is, first found first:
+
+1. the worker's `max_num_seqs` from the configuration, when given;
+2. learned: when a worker reports a waiting queue, the number it has running is as many
+   as it can run now. While it runs that many with an empty queue, and has shown no queue
+   for its holdoff (`PROBE_HOLDOFF` seconds at first), the estimate grows by 1, then 2,
+   3, ... per scrape, so a worker that can take more (or an estimate caught low) is found
+   out. Overshooting puts a request or two in the worker's own queue; when that confirms
+   the same capacity again, the holdoff doubles (up to `PROBE_HOLDOFF_MAX`), so a worker
+   at its true capacity is probed ever more rarely;
+3. before that, a probing limit: `PROBE_START` at first, doubled by each scrape that
+   shows the worker running all it was given with no queue (slow start), until a queue
+   teaches the capacity. Without a fresh scrape there is no evidence either way and no
+   probing limit: the gate is open (the policies fall back to in-flight counts).
 
 Dispatch owns the buckets and calls `on_stats`, `take` and `on_release`; everything here is
 plain attributes, read as they are by telemetry.
@@ -43,6 +54,15 @@ PACE_SMOOTHING = 1 / 64
 # A learned capacity is not probed upward until this long after the worker last reported
 # a queue, in seconds: at steady saturation, one overshoot per this period, not per scrape.
 PROBE_HOLDOFF = 5.0
+# The holdoff doubles each time a probe only confirms the capacity already known, up to
+# this many seconds: a worker at its true capacity is overshot once per ~5 minutes at most.
+PROBE_HOLDOFF_MAX = 320.0
+# Capacity gate before anything is learned: requests in flight to a worker that reported
+# no queue yet, doubled per scrape that shows it running them all without a queue (1, 2,
+# 4 scrapes of 0.25 s take it to 16, 32, 64). Modest: vLLM's smallest usual batch is 8-16
+# sequences on small GPUs; its default max_num_seqs (256) is 5 doublings away.
+PROBE_START = 8.0
+PROBE_MAX = 4096.0
 # Time constant of `TokenBucket.completion_rate`, in seconds.
 RATE_WINDOW = 10.0
 
@@ -54,9 +74,12 @@ class TokenBucket:
         "capacity",
         "completion_rate",
         "gain",
+        "holdoff",
         "limit",
         "log_duration",
         "open",
+        "probe_limit",
+        "probed_from",
         "probes",
         "queued_at",
         "rate_at",
@@ -72,6 +95,9 @@ class TokenBucket:
         self.waiting = 0.0  # its waiting queue, as last reported
         self.gain = 1.0  # tokens earned per finished request
         self.probes = 0  # consecutive scrapes that raised the capacity
+        self.holdoff = PROBE_HOLDOFF  # seconds without a queue before probing upward
+        self.probed_from: float | None = None  # capacity a running probe started from
+        self.probe_limit = PROBE_START  # the capacity gate while `capacity` is unknown
         self.queued_at = -math.inf  # EngineStats.at of the last scrape showing a queue
         self.log_duration: float | None = None  # running mean of log(request seconds)
         self.completion_rate = 0.0  # finished requests per second, decayed
@@ -97,8 +123,29 @@ class Buckets:
             b = self.by_worker[worker] = TokenBucket()
         return b
 
+    def capacity_of(self, worker: Worker) -> float | None:
+        """Requests `worker` runs at once as best known (configured, learned, probing);
+        None: no limit known (never scraped, nothing configured)."""
+        if worker.max_num_seqs:
+            return float(worker.max_num_seqs)
+        b = self.by_worker.get(worker)
+        if b is None:
+            return None
+        if b.capacity is not None:
+            return b.capacity
+        return b.probe_limit if worker.stats is not None else None
+
+    def is_full(self, worker: Worker) -> bool:
+        """The capacity gate: this process's in-flight requests fill its share of the
+        worker's capacity."""
+        capacity = self.capacity_of(worker)
+        return capacity is not None and worker.inflight >= max(1.0, capacity * self.share)
+
     def has_token(self, worker: Worker) -> bool:
-        """May `worker` be sent a request now? Always, without a fresh scrape."""
+        """May `worker` be sent a request now? Not when full (the capacity gate); else
+        always without a fresh scrape, else when its bucket holds a token."""
+        if self.is_full(worker):
+            return False
         if worker.stats is None:
             return True
         b = self.by_worker.get(worker)
@@ -126,19 +173,20 @@ class Buckets:
         b.waiting = waiting
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
         if waiting > 0:
-            b.probes = 0
-            b.queued_at = stats.at
-            if running > 0:
-                b.capacity = running
-        elif (
-            b.capacity is not None
-            and running >= b.capacity
-            and stats.at - b.queued_at >= PROBE_HOLDOFF
-        ):
+            self._queued(b, running, stats.at)
+        elif b.capacity is None:
+            # Slow start: it runs all the gate let through, with no queue: double the gate.
+            if max(running, worker.inflight / self.share) >= b.probe_limit:
+                b.probe_limit = min(PROBE_MAX, b.probe_limit * 2.0)
+        elif running >= b.capacity and stats.at - b.queued_at >= b.holdoff:
+            if b.probes == 0:
+                b.probed_from = b.capacity
+            elif b.probed_from is not None and running > b.probed_from:
+                b.holdoff = PROBE_HOLDOFF  # it runs more than it did, no queue: room found
             b.probes += 1  # full, yet no queue for a while: probe 1, 2, 3, ... more
             b.capacity = running + b.probes
         else:
-            b.probes = 0
+            b.probes, b.probed_from = 0, None
         if b.capacity is None and waiting == 0:
             b.open = True
             return
@@ -156,6 +204,16 @@ class Buckets:
         else:  # queueing, capacity not known yet: only what finishing requests earn
             b.tokens = min(b.tokens, 0.0)
             b.limit = max(1.0, running)
+
+    @staticmethod
+    def _queued(b: TokenBucket, running: float, at: float) -> None:
+        """The worker reports a queue while running `running`: that is its capacity."""
+        if b.probed_from is not None and running <= b.probed_from:
+            b.holdoff = min(PROBE_HOLDOFF_MAX, b.holdoff * 2.0)  # the probe found no room
+        b.probes, b.probed_from = 0, None
+        b.queued_at = at
+        if running > 0:
+            b.capacity = running
 
     def on_release(self, worker: Worker, seconds: float, completed: bool) -> None:
         """A request to `worker` ended after `seconds`; `completed`: answered in full."""
@@ -187,9 +245,10 @@ class Buckets:
         """What this process's dispatch learned of `worker` (/list_workers: "dispatch")."""
         b = self.by_worker.get(worker)
         open_ = worker.stats is None or b is None or b.open
+        capacity = self.capacity_of(worker)
         return {
             "pace": round(worker.pace, 4),
-            "capacity": round(b.capacity, 1) if b and b.capacity is not None else None,
+            "capacity": round(capacity, 1) if capacity is not None else None,
             "tokens": None if open_ or b is None else round(b.tokens, 1),  # None: no limit now
         }
 

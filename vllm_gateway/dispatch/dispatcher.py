@@ -93,6 +93,7 @@ class Lease:
         "bytes",
         "can_retry",
         "first_byte",
+        "full",
         "info",
         "outcome",
         "started",
@@ -123,6 +124,9 @@ class Lease:
         self.first_byte = 0.0
         self.bytes = 0
         self.waited = 0.0  # seconds spent in the admission queue before this lease
+        # Sent to a worker that was already full: this process's in-flight requests to it
+        # had reached its capacity, or its last scrape reported requests waiting.
+        self.full = False
 
 
 class _LeaseContext:
@@ -215,6 +219,7 @@ class Dispatcher:
         # Models whose requests wait in the admission queue when no worker serves them or
         # none is available (the autoscaler starts one: scale from zero), instead of 404/503.
         self.scales_from_zero: frozenset[str] = frozenset()
+        self.sent_to_full = 0  # leases on a worker that was already full (Lease.full)
         registry.listeners.append(self._on_registry_change)
         registry.stats_listeners.append(self._on_stats)
 
@@ -285,13 +290,21 @@ class Dispatcher:
         worker = policy.select(candidates, info)
         if worker is None:
             return None
+        stats = worker.stats
+        full = (stats is not None and stats.waiting > 0) or (
+            not policy.load_aware and self.buckets.is_full(worker)
+        )
         worker.inflight += 1
         _count_model(worker, info.model, 1)
         worker.sent_since_scrape += 1
         self.buckets.take(worker)
         attempt = len(exclude) + 1
         can_retry = attempt < self.retry.max_attempts and len(available) > 1
-        return Lease(self, worker, info, attempt, can_retry)
+        lease = Lease(self, worker, info, attempt, can_retry)
+        if full:
+            lease.full = True
+            self.sent_to_full += 1
+        return lease
 
     # --- the admission queue --------------------------------------------------------------
 
@@ -366,7 +379,12 @@ class Dispatcher:
                 self._serve_queue(model)
 
     def _on_registry_change(self) -> None:
-        self.buckets.forget_missing(set(self.registry))
+        present = set(self.registry)
+        self.buckets.forget_missing(present)
+        for policy in {self.policy, *self.policy_for_model.values()}:
+            forget = getattr(policy, "forget_missing", None)  # policies that remember workers
+            if forget is not None:
+                forget(present)
         self._serve_all()
 
     def _retry_after(self, model: str) -> float:

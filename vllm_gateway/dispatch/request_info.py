@@ -14,6 +14,7 @@ from typing import Any
 import orjson
 
 from vllm_gateway.config.load import check_model_name
+from vllm_gateway.dispatch.prefix_hash import PrefixBlocks, prefix_blocks
 from vllm_gateway.errors import BadRequest
 
 SESSION_HEADERS = ("x-session-id", "x-user-id")
@@ -23,7 +24,7 @@ PRIORITY_HEADER = "x-priority"
 class RequestInfo:
     """What the gateway knows of one request before choosing a worker."""
 
-    __slots__ = ("_doc", "body", "headers", "model", "path", "request_id", "stream")
+    __slots__ = ("_blocks", "_doc", "body", "headers", "model", "path", "request_id", "stream")
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class RequestInfo:
         self.request_id = request_id
         self.headers = headers if headers is not None else {}
         self._doc = doc if doc is not None else {}
+        self._blocks: PrefixBlocks | bool | None = False  # False: not computed yet
 
     @property
     def session_key(self) -> str | None:
@@ -89,6 +91,14 @@ class RequestInfo:
                     if size >= chars:
                         break
         return "".join(parts)[:chars]
+
+    def prefix_blocks(self) -> PrefixBlocks | None:
+        """The prompt's prefix hashes and conversation key (prefix_hash.py), computed once
+        per request however often dispatch asks (retries, the admission queue)."""
+        blocks = self._blocks
+        if blocks is False:
+            blocks = self._blocks = prefix_blocks(self._doc)
+        return blocks  # type: ignore[return-value]
 
     def release_body(self) -> None:
         """Drop the body and its parsed JSON: once a worker's answer is being relayed, no

@@ -47,6 +47,11 @@ MAX_REQUESTS = 1_000_000.0
 def _clamp(value: float, high: float) -> float:
     return min(max(value, 0.0), high)
 
+# vLLM's info gauge of its cache configuration: labels num_gpu_blocks and block_size give
+# the KV cache's size in tokens (the prefix index is sized like it: dispatch/prefix_index.py).
+CACHE_CONFIG = "vllm:cache_config_info"
+MAX_CACHE_TOKENS = 1e12  # clamped as the gauges are: no worker holds a trillion tokens
+
 
 class MetricNames:
     """Which gauges to read; for each, the candidate names in order of preference."""
@@ -60,7 +65,7 @@ class MetricNames:
         self.waiting = tuple(waiting)
         self.kv_cache = tuple(kv_cache)
         # One startswith() per line rejects everything else cheaply.
-        self.prefixes = (*self.running, *self.waiting, *self.kv_cache)
+        self.prefixes = (*self.running, *self.waiting, *self.kv_cache, CACHE_CONFIG)
 
     @classmethod
     def from_config(cls, config: ScrapeConfig) -> MetricNames:
@@ -188,7 +193,22 @@ def parse_metrics(
         waiting=_clamp(sum(_clamp(v, MAX_REQUESTS) for v in waiting), MAX_REQUESTS),
         kv_cache_usage=kv_usage,
         at=at,
+        cache_tokens=_cache_tokens(found.get(CACHE_CONFIG, ())),
     )
+
+
+def _cache_tokens(samples: Iterable[tuple[str, float]]) -> float | None:
+    """KV cache tokens from vllm:cache_config_info samples (one per engine), or None."""
+    total = 0.0
+    for labels, _ in samples:
+        try:
+            parsed = parse_labels(labels)
+            tokens = float(parsed["num_gpu_blocks"]) * float(parsed["block_size"])
+        except (KeyError, ValueError):
+            continue
+        if math.isfinite(tokens) and tokens > 0:
+            total += min(tokens, MAX_CACHE_TOKENS)
+    return total or None
 
 
 class Scraper:

@@ -58,7 +58,12 @@ class StaticWorkers:
         for spec in config.workers:
             if note := worker_url_note(spec.url):  # a copied OpenAI base URL: say so
                 log.warning("worker URL normalized", problem=note)
-            fleet.registry.add(normalize_url(spec.url), models=spec.models, weight=spec.weight)
+            fleet.registry.add(
+                normalize_url(spec.url),
+                models=spec.models,
+                weight=spec.weight,
+                max_num_seqs=spec.max_num_seqs,
+            )
 
     async def start(self) -> None:
         pass  # known from the start; the prober's first round looks at them
@@ -86,7 +91,9 @@ class StaticWorkers:
         fleet = self.fleet
         worker = fleet.registry.get(url)
         if worker is None:
-            fleet.registry.add(url, models=spec.models, weight=spec.weight)
+            fleet.registry.add(
+                url, models=spec.models, weight=spec.weight, max_num_seqs=spec.max_num_seqs
+            )
             fleet.prober.forget(url)
             return [f"worker added: {url}"]
         if worker.source is not Source.STATIC:
@@ -94,6 +101,8 @@ class StaticWorkers:
         changes = []
         if fleet.unretire(worker, "back in the configuration"):  # dropped earlier, listed again
             changes.append(f"worker back: {url}")
-        if fleet.registry.reconfigure(worker, models=spec.models, weight=spec.weight):
+        if fleet.registry.reconfigure(
+            worker, models=spec.models, weight=spec.weight, max_num_seqs=spec.max_num_seqs
+        ):
             changes.append(f"worker reconfigured: {url}")
         return changes

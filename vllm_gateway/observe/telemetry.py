@@ -384,12 +384,20 @@ def _dispatch_metrics(
         metrics.queue_wait,
         keys=("model",),
     )
+    w.family(
+        p + "dispatch_sent_to_full_total",
+        "counter",
+        "Requests sent to a worker that was already full (this process's in-flight to it at "
+        "its capacity, or its last scrape reported a queue): they wait inside the worker.",
+    )
+    w.sample(p + "dispatch_sent_to_full_total", dispatcher.sent_to_full)
     described = [(worker.url, dispatcher.buckets.describe(worker)) for worker in workers]
     for name, key, help_ in (
         (
             "worker_capacity",
             "capacity",
-            "Requests dispatch learned each worker runs at once (its token bucket's size).",
+            "Requests each worker runs at once as dispatch knows it (configured, learned from "
+            "its queue, or the probing limit): the capacity gate.",
         ),
         ("worker_tokens", "tokens", "Requests each worker may be sent now (absent: no limit)."),
     ):

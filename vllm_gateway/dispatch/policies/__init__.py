@@ -10,6 +10,7 @@ import random
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.policies.base import Policy, PolicyFactory
+from vllm_gateway.dispatch.policies.cache_aware import CacheAware
 from vllm_gateway.dispatch.policies.least_inflight import LeastInflight
 from vllm_gateway.dispatch.policies.power_of_two import PowerOfTwo
 from vllm_gateway.dispatch.policies.prefix import PrefixAffinity
@@ -19,6 +20,7 @@ from vllm_gateway.dispatch.policies.round_robin import RoundRobin
 from vllm_gateway.dispatch.policies.session import SessionAffinity
 
 POLICIES: dict[str, PolicyFactory] = {
+    "cache_aware": CacheAware,
     "queue": QueuePolicy,
     "least_inflight": LeastInflight,
     "power_of_two": PowerOfTwo,

@@ -1,0 +1,212 @@
+"""cache_aware: prefix hashes, the prefix index, and the choice, table by table (pure)."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections import Counter
+
+import pytest
+
+from vllm_gateway.config.gateway import DispatchConfig
+from vllm_gateway.dispatch.policies import make_policy
+from vllm_gateway.dispatch.policies.cache_aware import CacheAware
+from vllm_gateway.dispatch.prefix_hash import BLOCK_BYTES, KEY_BYTES, prefix_blocks
+from vllm_gateway.dispatch.prefix_index import DEFAULT_CAPACITY, PrefixIndex, capacity_of
+from vllm_gateway.dispatch.request_info import RequestInfo
+from vllm_gateway.workers import EngineStats, Worker
+
+SYSTEM = "You are a helpful assistant. " * 40  # ~1.2 KB, shared by many conversations
+
+
+def chat(*turns: str, system: str = SYSTEM) -> dict:
+    """A chat body: the system prompt, then user/assistant turns alternating."""
+    messages = [{"role": "system", "content": system}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return {"model": "m", "messages": messages}
+
+
+def info(doc: dict) -> RequestInfo:
+    return RequestInfo("/v1/chat/completions", b"", "m", True, "r", {}, doc)
+
+
+def workers(n: int) -> list[Worker]:
+    return [Worker(f"http://10.0.0.{i}:8000", models=("m",)) for i in range(n)]
+
+
+def long(tag: str, n: int = 700) -> str:
+    return (tag + " ") * (n // (len(tag) + 1))
+
+
+# --- prefix hashes ------------------------------------------------------------------------
+
+
+def test_a_conversations_next_turn_repeats_every_hash_of_the_turn_before():
+    t1 = prefix_blocks(chat("hello " * 100, long("answer"), long("question")))
+    t2 = prefix_blocks(chat("hello " * 100, long("answer"), long("question"), long("b"), "q"))
+    assert t1 is not None and t2 is not None
+    assert t1.key == t2.key and t1.first == t2.first
+    assert len(t2.blocks) > len(t1.blocks) >= 2
+    assert t2.blocks[: len(t1.blocks)] == t1.blocks
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same_key"),
+    [
+        (chat("hi"), chat("hi", "hello!", "more"), True),  # turns of one conversation
+        (chat("hi"), chat("bye"), False),  # same system prompt, another conversation
+        (chat("hi"), chat("hi", system="other"), False),  # another system prompt
+        ({"prompt": "x" * 5000}, {"prompt": "x" * 5000 + "y"}, True),  # first KEY_BYTES
+        ({"prompt": "a" * 100}, {"prompt": ["a" * 100, "b"]}, True),  # list: its first
+    ],
+)
+def test_the_key_is_a_conversations_stable_start(a, b, same_key):
+    ka, kb = prefix_blocks(a), prefix_blocks(b)
+    assert ka is not None and kb is not None
+    assert (ka.key == kb.key) is same_key
+
+
+def test_hashes_are_the_same_in_every_process():
+    """CRC-32 of the prefix, not Python's salted hash() of text."""
+    p = prefix_blocks({"prompt": "z" * (KEY_BYTES + 3 * BLOCK_BYTES)})
+    assert p is not None and p.first == KEY_BYTES // BLOCK_BYTES
+    data = b"z" * (KEY_BYTES + 3 * BLOCK_BYTES)
+    assert p.key == zlib.crc32(data[:KEY_BYTES])
+    assert p.blocks == [p.key] + [
+        zlib.crc32(data[: KEY_BYTES + i * BLOCK_BYTES]) for i in range(1, 4)
+    ]
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [{"prompt": [1, 2, 3]}, {"messages": []}, {"messages": [{"role": "user"}]}, {}],
+)
+def test_no_text_no_hashes(doc):
+    assert prefix_blocks(doc) is None
+
+
+def test_multipart_content_is_its_text():
+    parts = [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}]
+    a = prefix_blocks({"messages": [{"role": "user", "content": parts}]})
+    b = prefix_blocks({"messages": [{"role": "user", "content": "hi"}]})
+    assert a is not None and b is not None and a.key == b.key
+
+
+# --- the prefix index ---------------------------------------------------------------------
+
+
+def test_the_index_finds_the_deepest_holder_among_the_candidates():
+    a, b, c = workers(3)
+    index = PrefixIndex()
+    t1 = prefix_blocks(chat("q1 " * 200, long("a1")))
+    t2 = prefix_blocks(chat("q1 " * 200, long("a1"), long("q2"), long("a2"), "q3"))
+    assert t1 is not None and t2 is not None
+    index.record(a, t1)
+    index.record(b, t2)
+    assert index.deepest(t2, [a, b, c]) == ([b], len(t2.blocks))
+    assert index.deepest(t2, [a, c]) == ([a], len(t1.blocks))  # b is full: the next best
+    assert index.deepest(t2, [c]) == ([], 0)
+
+
+def test_the_index_is_bounded_like_the_workers_cache_and_forgets_removed_workers():
+    (a,) = workers(1)
+    assert capacity_of(a) == DEFAULT_CAPACITY  # never scraped
+    a.stats = EngineStats(0, 0, None, 0.0, cache_tokens=16 * 64)  # 1024 tokens ~ 8 blocks
+    index = PrefixIndex()
+    for i in range(20):
+        p = prefix_blocks({"prompt": f"{i} " + "y" * (KEY_BYTES + 2 * BLOCK_BYTES)})
+        assert p is not None
+        index.record(a, p)
+    assert index.blocks_of(a) == capacity_of(a) == 8
+    index.forget_missing(set())
+    assert index.blocks_of(a) == 0 and len(index) == 0
+
+
+# --- the choice ---------------------------------------------------------------------------
+
+
+def policy() -> CacheAware:
+    p = make_policy("cache_aware", random.Random(1), DispatchConfig())
+    assert isinstance(p, CacheAware)
+    return p
+
+
+def test_cache_aware_is_the_default_policy():
+    from vllm_gateway.config.gateway import GatewayConfig
+
+    assert GatewayConfig().policy == "cache_aware"
+
+
+def test_every_turn_of_a_conversation_goes_to_its_home_and_replicas_agree():
+    ws = workers(4)
+    one, other = policy(), policy()  # two gateways, each seeing every other turn
+    for c in range(12):
+        turns: list[str] = []
+        placed = set()
+        for t in range(6):
+            turns.append(f"conversation {c} turn {t} " * 30)
+            replica = one if t % 2 == 0 else other
+            placed.add(replica.select(ws, info(chat(*turns))))
+            turns.append(long(f"answer{t}"))
+        assert len(placed) == 1, (c, placed)
+
+
+def test_a_shared_system_prompt_does_not_draw_conversations_together():
+    ws = workers(4)
+    p = policy()
+    homes = Counter(p.select(ws, info(chat(f"user {i} says hi"))) for i in range(200))
+    assert set(homes) == set(ws) and min(homes.values()) >= 25, homes
+
+
+def test_a_hot_home_sheds_new_conversations_within_the_bound():
+    ws = workers(4)
+    p = policy()
+    doc = chat("the same first question")
+    home = p.select(ws, info(doc))
+    # Its home is loaded far past its share: new conversations keyed there go elsewhere...
+    home.inflight = 10
+    for w in ws:
+        if w is not home:
+            w.inflight = 2
+    fresh = chat("another first question")
+    first_choice = p.select([w for w in ws if w is not home], info(fresh))
+    assert p.select(ws, info(fresh)) is first_choice or p.select(ws, info(fresh)) is not home
+    # ...and so does a conversation whose history is there, once past the looser bound.
+    assert p.select(ws, info(chat("the same first question", "answer", "next"))) is not home
+    home.inflight = 3  # within the history bound again: it keeps its conversation
+    assert p.select(ws, info(chat("the same first question", "answer", "next"))) is home
+
+
+def test_history_wins_over_the_rendezvous_home():
+    ws = workers(4)
+    p = policy()
+    home = p.select(ws, info(chat("q " * 300)))
+    # Its second turn was moved (its home was full): its history is elsewhere now.
+    others = [w for w in ws if w is not home]
+    moved = p.select(others, info(chat("q " * 300, long("a"), "q2 " * 300)))
+    assert moved is not home
+    nxt = chat("q " * 300, long("a"), "q2 " * 300, long("a2"), "q3")
+    assert p.select(ws, info(nxt)) is moved
+
+
+@pytest.mark.parametrize(("slow_pace", "most"), [(1.0, 0.40), (0.5, 0.25)])
+def test_a_slower_worker_takes_less_under_load(slow_pace, most):
+    """Bounded load per unit of speed: a worker half as fast holds about half as much."""
+    ws = workers(4)
+    for w in ws:
+        w.pace = 1.0
+    ws[0].pace = slow_pace
+    p = policy()
+    for i in range(400):  # requests pile up (nothing finishes): the bound decides
+        p.select(ws, info(chat(f"question {i}"))).inflight += 1
+    assert ws[0].inflight <= most * 400, [w.inflight for w in ws]
+
+
+def test_token_prompts_go_to_the_least_expected_wait():
+    ws = workers(3)
+    ws[0].inflight, ws[1].inflight, ws[2].inflight = 3, 1, 2
+    doc = {"model": "m", "prompt": [1, 2, 3]}
+    assert (
+        policy().select(ws, RequestInfo("/v1/completions", b"", "m", True, "r", {}, doc)) is ws[1]
+    )

@@ -1,0 +1,146 @@
+"""cache_aware (the default): the worker where the request costs least, prefill included.
+
+What a request costs on a worker: the prefill of the part of its prompt the worker does
+not hold in its prefix cache, plus the wait its load implies. The capacity gate
+(buckets.py) already leaves out the workers that are full, so no candidate adds a queue
+wait; what is left to weigh is the prefill saved against the balance given up:
+
+1. **History** (the prefill saved is large): the candidates that were sent this
+   conversation's earlier turns hold its history, which only its own turns share
+   (prefix_index.py: the conversation key, then the blocks after it). Of those holding
+   the most, the first in the key's rendezvous order takes it, unless its load is past a
+   looser bound (`HISTORY_SLACK`): there the history is prefilled again elsewhere rather
+   than pile onto one worker.
+2. **Otherwise** (a new conversation, or a prompt nobody holds past its key): the first
+   worker in the key's rendezvous order whose load stays within the load bound. The key
+   is the conversation's stable start (prefix_hash.py: the messages up to the first user
+   message), so every turn of a conversation, and every replica of the gateway, gets the
+   same home without sharing any state; a system prompt shared by many conversations
+   does not draw them together (conversations differ in the key), and a hot worker sheds
+   new conversations to the next in their order once past the bound.
+
+The load bound, per worker: `load + 1 <= load_bound x (total load + 1) x its share of
+speed`, where speed is pace x weight (pace: requests finished per second per running
+request, learned; a worker without one yet counts with the best pace) and load is the load
+view (load.py). A worker twice as fast may hold twice the requests. Rendezvous weighs by
+`weight` only (pace differs slightly between replicas; the order must not).
+
+Requests without prompt text (token ids) go to the least expected wait, as with `queue`.
+Every request's blocks are recorded on the worker chosen, so its next turn finds them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from collections.abc import Sequence
+
+from vllm_gateway.config.gateway import DispatchConfig
+from vllm_gateway.dispatch.load import load
+from vllm_gateway.dispatch.policies.queue import QueuePolicy
+from vllm_gateway.dispatch.prefix_hash import PrefixBlocks
+from vllm_gateway.dispatch.prefix_index import PrefixIndex
+from vllm_gateway.dispatch.request_info import RequestInfo
+from vllm_gateway.workers import Worker
+
+# A worker holding a conversation's history keeps it while its load is within
+# 1 + HISTORY_SLACK x (load_bound - 1) of its fair share (1.5 for the default 1.25):
+# elsewhere the whole history is prefilled again, so it tolerates more imbalance than a
+# new conversation, which costs the same anywhere; but still bounded, so one hot
+# conversation (or a flood of identical prompts) spreads.
+HISTORY_SLACK = 2.0
+_M64 = (1 << 64) - 1
+
+
+def rendezvous_rank(key: int, worker: Worker, seed: int) -> float:
+    """Lower first: weighted rendezvous (-ln u / weight), `u` in (0, 1) from (key, seed).
+
+    Integer arithmetic (a splitmix64-style finalizer of key ^ seed), the same in every
+    process; Python's hash() of a tuple of ints would be too, but orders workers unevenly.
+    """
+    weight = worker.weight
+    if weight <= 0:
+        return math.inf
+    x = ((key ^ seed) * 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _M64
+    u = ((x >> 11) + 0.5) / (1 << 53)
+    return -math.log(u) / weight
+
+
+class CacheAware:
+    """History where it is, else the conversation's rendezvous home within the bound."""
+
+    name = "cache_aware"
+    load_aware = True
+
+    def __init__(self, rng: random.Random, config: DispatchConfig | None = None) -> None:
+        config = config or DispatchConfig()
+        self._bound = config.load_bound
+        self._fallback = QueuePolicy(rng)
+        self.index = PrefixIndex()
+        self._seeds: dict[str, int] = {}  # worker URL -> its rendezvous seed
+
+    def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
+        blocks = info.prefix_blocks()
+        if blocks is None or not candidates:
+            return self._fallback.select(candidates, info)
+        worker = candidates[0] if len(candidates) == 1 else self._choose(candidates, blocks)
+        self.index.record(worker, blocks)
+        return worker
+
+    def forget_missing(self, present: set[Worker]) -> None:
+        """Forget the workers that left the registry (what they were sent, their seeds)."""
+        self.index.forget_missing(present)
+        urls = {w.url for w in present}
+        for url in [u for u in self._seeds if u not in urls]:
+            del self._seeds[url]
+
+    def _choose(self, candidates: Sequence[Worker], blocks: PrefixBlocks) -> Worker:
+        loads = [load(w) for w in candidates]
+        best_pace = max(w.pace for w in candidates) or 1.0
+        speeds = [(w.pace or best_pace) * w.weight for w in candidates]
+        total_speed = sum(speeds)
+        if total_speed <= 0:
+            return candidates[0]
+        # The fair share of load per unit of speed: load + 1 <= bound x fair x speed.
+        fair = (sum(loads) + 1.0) / total_speed
+        holders, _ = self.index.deepest(blocks, candidates)
+        if holders:
+            bound = 1.0 + HISTORY_SLACK * (self._bound - 1.0)
+            best = self._home(blocks.key, holders, candidates, loads, speeds, bound * fair)
+            if best is not None:
+                return best
+        best = self._home(blocks.key, candidates, candidates, loads, speeds, self._bound * fair)
+        if best is not None:
+            return best
+        # Nobody within the bound (cannot happen with a finite load; kept for safety).
+        return min(candidates, key=lambda w: self._rank(blocks.key, w))
+
+    def _home(
+        self,
+        key: int,
+        among: Sequence[Worker],
+        candidates: Sequence[Worker],
+        loads: list[float],
+        speeds: list[float],
+        per_speed: float,
+    ) -> Worker | None:
+        """The first of `among` in the key's rendezvous order within the load limit."""
+        best: Worker | None = None
+        best_rank = math.inf
+        whole = among is candidates
+        for i, w in enumerate(among):
+            j = i if whole else candidates.index(w)
+            if loads[j] + 1.0 > math.ceil(per_speed * speeds[j]):
+                continue
+            rank = self._rank(key, w)
+            if rank < best_rank:
+                best, best_rank = w, rank
+        return best
+
+    def _rank(self, key: int, worker: Worker) -> float:
+        seed = self._seeds.get(worker.url)
+        if seed is None:
+            seed = self._seeds[worker.url] = zlib.crc32(worker.url.encode())
+        return rendezvous_rank(key, worker, seed)

@@ -1,0 +1,111 @@
+"""Which worker was sent which prompt blocks: the gateway's guess of each worker's prefix cache.
+
+    index.record(worker, blocks)       after a request for `blocks` was sent to `worker`
+    index.deepest(blocks, candidates)  the candidates holding the longest prefix of `blocks`
+    index.forget_missing(present)      drop the workers that left the registry
+
+Per worker, the block hashes sent there (prefix_hash.py) in least-recently-sent order,
+bounded like a cache: past `capacity` blocks the least recently sent is evicted, as vLLM
+evicts the least recently used free block. `capacity` is the worker's KV cache in our
+blocks when it reports one (`vllm:cache_config_info`: num_gpu_blocks x block_size tokens,
+about `BYTES_PER_TOKEN` bytes each), else `DEFAULT_CAPACITY`. Beside it, block hash ->
+the workers holding it, so finding the deepest match is a walk from the request's last
+block back towards its first, one dict lookup per block, stopping at the first block any
+candidate holds: a conversation's next turn finds its history after a block or two.
+
+Pure (no I/O, no clock); a guess, not a mirror: a worker that evicted sooner, or restarted,
+just costs a prefill where a hit was expected.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from vllm_gateway.dispatch.prefix_hash import BLOCK_BYTES, PrefixBlocks
+from vllm_gateway.workers import Worker
+
+# Bytes of prompt text per token, to size the index from a worker's KV cache in tokens:
+# about 4 for English with the usual tokenizers.
+BYTES_PER_TOKEN = 4
+# Blocks remembered per worker that reports no cache size: 16384 x 512 bytes = 8 MiB of
+# prompt text, ~2M tokens; larger than most workers' KV cache, so a worker that does not
+# report its size is credited with what it was sent recently, rather than forgotten early.
+DEFAULT_CAPACITY = 16384
+
+
+def capacity_of(worker: Worker) -> int:
+    """Blocks the index remembers for `worker`: like its KV cache, when it reports one."""
+    stats = worker.stats
+    tokens = stats.cache_tokens if stats is not None else None
+    if not tokens:
+        return DEFAULT_CAPACITY
+    return max(1, int(tokens * BYTES_PER_TOKEN // BLOCK_BYTES))
+
+
+class PrefixIndex:
+    """Per worker, the prompt blocks recently sent to it."""
+
+    def __init__(self) -> None:
+        self._sent: dict[Worker, OrderedDict[int, None]] = {}
+        self._where: dict[int, set[Worker]] = {}
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def blocks_of(self, worker: Worker) -> int:
+        """Blocks remembered for `worker` now."""
+        sent = self._sent.get(worker)
+        return len(sent) if sent is not None else 0
+
+    def record(self, worker: Worker, blocks: PrefixBlocks) -> None:
+        """`worker` was sent a prompt with these blocks: it holds them now."""
+        hashes = blocks.blocks
+        if not hashes:
+            return
+        sent = self._sent.get(worker)
+        if sent is None:
+            sent = self._sent[worker] = OrderedDict()
+        where = self._where
+        touch = sent.move_to_end
+        for h in hashes:
+            if h in sent:
+                touch(h)
+            else:
+                sent[h] = None
+                holders = where.get(h)
+                if holders is None:
+                    where[h] = {worker}
+                else:
+                    holders.add(worker)
+        excess = len(sent) - capacity_of(worker)
+        for _ in range(excess):
+            self._drop(worker, sent.popitem(last=False)[0])
+
+    def deepest(
+        self, blocks: PrefixBlocks, candidates: Sequence[Worker]
+    ) -> tuple[list[Worker], int]:
+        """The candidates holding the most of `blocks` (the prompt's key, then its blocks
+        after the key), and how many of them; ([], 0) when none holds even the key."""
+        where = self._where
+        hashes = blocks.blocks
+        for depth in range(len(hashes), 0, -1):
+            holders = where.get(hashes[depth - 1])
+            if holders:
+                found = [w for w in holders if w in candidates]
+                if found:
+                    return found, depth
+        return [], 0
+
+    def forget_missing(self, present: set[Worker]) -> None:
+        """Forget what was sent to workers no longer in the registry."""
+        for worker in [w for w in self._sent if w not in present]:
+            for h in self._sent.pop(worker):
+                self._drop(worker, h)
+
+    def _drop(self, worker: Worker, h: int) -> None:
+        holders = self._where.get(h)
+        if holders is not None:
+            holders.discard(worker)
+            if not holders:
+                del self._where[h]
