@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import wait_until
 from vllm_gateway.app import DISPATCHER
-from vllm_gateway.config.gateway import DispatchConfig, ModelConfig, ScrapeConfig
+from vllm_gateway.config.gateway import DispatchConfig, ModelConfig, ScrapeConfig, WorkerSpec
 
 pytestmark = pytest.mark.timeout(40)
 
@@ -57,10 +57,11 @@ async def test_saturated_workers_make_requests_wait_then_complete_in_order(
     fake_worker, gateway, http
 ):
     ws = [await fake_worker(models="m", ttft_ms=5, tpot_ms=20, max_num_seqs=1) for _ in range(2)]
-    gw = await gateway(ws, scrape=FAST_SCRAPES)
+    gw = await gateway(ws, scrape=FAST_SCRAPES, policy="queue")
     dispatcher = gw.app[DISPATCHER]
     # Four at once: two run, two wait in the workers' own queues, which teaches the
-    # gateway that each worker runs one request at a time.
+    # gateway that each worker runs one request at a time (`queue` spreads them evenly;
+    # the default keeps equal prompts together, up to its load bound).
     warm = [http.post(gw.url + "/v1/completions", json=completion(10)) for _ in range(4)]
     responses = await asyncio.gather(*warm)
     for r in responses:
@@ -95,6 +96,44 @@ async def test_saturated_workers_make_requests_wait_then_complete_in_order(
     assert dispatcher.admission.admitted >= 6 and dispatcher.admission.depth == 0
     # They waited in the gateway, not in the workers' queues.
     assert all(w.stats.max_waiting_seen == 0 for w in ws), [w.stats for w in ws]
+
+
+async def test_when_every_worker_is_full_a_request_waits_for_the_first_freed_slot(
+    fake_worker, gateway, http
+):
+    """Late binding with a configured capacity: nothing is learned first, nothing waits
+    inside a worker, and the waiting request takes whichever worker frees a slot first."""
+    ws = [await fake_worker(models="m", ttft_ms=5, tpot_ms=30, max_num_seqs=1) for _ in range(2)]
+    specs = [WorkerSpec(url=w.url, max_num_seqs=1) for w in ws]
+    gw = await gateway(specs, scrape=FAST_SCRAPES)
+    dispatcher = gw.app[DISPATCHER]
+    long_one = asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(40)))
+    await wait_until(lambda: sum(served(w) for w in ws) == 1, timeout=3)
+    short_one = asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(6)))
+    await wait_until(lambda: sum(served(w) for w in ws) == 2, timeout=3)
+    # Both full: the next request waits in the gateway, whatever its policy prefers...
+    waiting = asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(2)))
+    await wait_until(lambda: dispatcher.admission.depth == 1, timeout=3)
+    before = [served(w) for w in ws]
+    # ...until the short request ends: its worker's freed slot takes the waiting one.
+    r = await short_one
+    await r.read()
+    r = await waiting
+    assert r.status == 200 and b"[DONE]" in await r.read()
+    after = [served(w) for w in ws]
+    gained = [w for w, b, a in zip(ws, before, after, strict=True) if a > b]
+    assert len(gained) == 1, (before, after)
+    (freed,) = gained
+    (busy,) = [w for w in ws if w is not freed]
+    assert busy.stats.running == 1  # the other one still runs the long request
+    r = await long_one
+    await r.read()
+    assert all(w.stats.max_waiting_seen == 0 for w in ws)  # nothing queued inside a worker
+    assert dispatcher.admission.admitted == 1 and dispatcher.sent_to_full == 0
+    async with http.get(gw.url + "/metrics") as m:
+        page = await m.text()
+    assert 'vllm_gateway_admission_queue_wait_seconds_count{model="m"} 1' in page
+    assert "vllm_gateway_dispatch_sent_to_full_total 0" in page
 
 
 async def test_a_full_queue_answers_429_and_the_gateway_keeps_serving(

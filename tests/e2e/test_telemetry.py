@@ -370,7 +370,7 @@ def test_a_removed_workers_series_go_after_the_retention():
 
 async def test_metrics_of_a_removed_worker_leave_metrics(fake_worker, gateway, http, monkeypatch):
     a, b = await fake_worker(models="m"), await fake_worker(models="m")
-    gw = await gateway([a, b])
+    gw = await gateway([a, b], policy="round_robin")  # both get requests
     # Until both workers served one (a policy may send a few in a row to the same one).
     for _ in range(40):
         async with http.post(
