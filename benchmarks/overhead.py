@@ -33,6 +33,7 @@ from pathlib import Path
 from benchmarks.backend import MODEL, raise_fd_limit
 from benchmarks.procs import Proc, free_port, wait_http
 from benchmarks.router import INSTALL_HINT, find_router, start_router
+from benchmarks.score_cost import mode_score
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench-out"
@@ -509,6 +510,7 @@ MODES = {
     "stream": mode_stream,
     "hold": mode_hold,
     "processes": mode_processes,
+    "score": mode_score,  # in process: CPU per dispatch by policy (benchmarks/score_cost.py)
 }
 
 

@@ -70,6 +70,7 @@ class Worker:
 
     __slots__ = (
         "breaker_openings",
+        "capacity",
         "circuit",
         "completed",
         "consecutive_failures",
@@ -120,6 +121,9 @@ class Worker:
         # Learned by dispatch from completed requests: 1 / typical request duration, in
         # requests per second per running request. 0 until the first completion.
         self.pace = 0.0
+        # Requests it runs at once as dispatch knows it (configured, learned from its
+        # queue, or the probing limit; dispatch/buckets.py); 0 while unknown.
+        self.capacity = 0.0
         self.completed = 0
         self.failed = 0
         self.circuit = Circuit.CLOSED

@@ -169,16 +169,21 @@ class Buckets:
         if stats is None:
             return  # stale: the bucket is open until a fresh scrape
         b = self.bucket(worker)
-        running, waiting = stats.running, stats.waiting
+        self._on_stats(worker, b, stats.running, stats.waiting, stats.at)
+        worker.capacity = self.capacity_of(worker) or 0.0  # what policies read
+
+    def _on_stats(
+        self, worker: Worker, b: TokenBucket, running: float, waiting: float, at: float
+    ) -> None:
         b.waiting = waiting
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
         if waiting > 0:
-            self._queued(b, running, stats.at)
+            self._queued(b, running, at)
         elif b.capacity is None:
             # Slow start: it runs all the gate let through, with no queue: double the gate.
             if max(running, worker.inflight / self.share) >= b.probe_limit:
                 b.probe_limit = min(PROBE_MAX, b.probe_limit * 2.0)
-        elif running >= b.capacity and stats.at - b.queued_at >= b.holdoff:
+        elif running >= b.capacity and at - b.queued_at >= b.holdoff:
             if b.probes == 0:
                 b.probed_from = b.capacity
             elif b.probed_from is not None and running > b.probed_from:

@@ -2,12 +2,14 @@
 
     prefix_blocks(doc) -> PrefixBlocks | None        (pure; None: no text to hash)
 
-The prompt text is the completion `prompt` (a string, or the first of a list of strings),
-or the chat `messages` in order, each as `role NUL content SOH` (content parts: their
-text), encoded as UTF-8. It is cut into blocks of `BLOCK_BYTES`; the hash of block j is
-the CRC-32 of everything up to its end (zlib.crc32 carried over from block to block), so
-equal hashes mean equal prefixes, as in vLLM's own prefix cache, and a conversation's
-next turn (the same messages plus new ones) repeats every hash of the turn before.
+The prompt text is the completion `prompt` (a string, or the first of a list of strings)
+encoded as UTF-8, or the chat `messages` as JSON (orjson's, so the same messages are the
+same bytes; one C call, cheaper than walking the messages in Python). It is cut into
+blocks of `BLOCK_BYTES`; the hash of a block is that of the block before it and its own
+bytes (chained), so equal hashes mean equal prefixes, as in vLLM's own prefix cache, and a
+conversation's next turn (the same messages plus new ones) repeats every hash of the turn
+before. Block hashes are Python's `hash()` (fast; salted per process, which is fine: each
+process keeps its own index of them).
 
 The **key** is the part that stays the same for every turn of one conversation and
 differs between conversations: for chat, the messages up to and including the first user
@@ -16,11 +18,13 @@ message it is one conversation's); for a completion prompt, its first `KEY_BYTES
 hash (CRC-32, the same in every process and every replica, unlike Python's salted
 `hash()` of text) is what a rendezvous choice keys on.
 
-Only the blocks after the key are hashed one by one: they are what tells one turn of a
-conversation from the next, and the blocks inside the key add nothing the key does not
-say (the key's own hash stands first among them: a prefix hash like the others). So a
-single-turn request costs one CRC over its bytes, and a long conversation one more call
-per block of history, at most `MAX_BLOCKS` of them (from the key on).
+Only the blocks after the key are hashed one by one, chained from the key's hash: they
+are what tells one turn of a conversation from the next, and the blocks inside the key
+add nothing the key does not say (the key's own hash stands first among them). So a
+single-turn request costs one CRC over its key, and a long conversation one more call per
+block of history, at most `MAX_BLOCKS` of them. The block that holds the key's end is
+hashed from its start, key bytes included: equal either way for turns of one
+conversation.
 """
 
 from __future__ import annotations
@@ -29,20 +33,23 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-# 512 bytes: about 128 tokens of English text (8 of vLLM's default 16-token blocks). A
-# conversation turn (a question and its answer) is usually longer, so each turn adds a
-# block or more; smaller blocks would cost a CRC call (~0.3 us) more each.
-BLOCK_BYTES = 512
-# Blocks hashed beyond the key: 64 x 512 bytes = 32 KiB of history; a longer prompt is
+import orjson
+
+# 1 KiB: about 256 tokens of English text (16 of vLLM's default 16-token blocks), a turn
+# or two of a conversation. Each block costs a hash call (~0.3-1 us with its slice), so
+# the size trades the depth resolution of a match for CPU per request.
+BLOCK_BYTES = 1024
+# Blocks hashed beyond the key: 32 x 1 KiB = 32 KiB of history; a longer prompt is
 # matched on its first 32 KiB after the key (its first turns tell it apart well enough).
-MAX_BLOCKS = 64
+MAX_BLOCKS = 32
 # The key of a completion prompt (no message structure to tell a conversation by).
 KEY_BYTES = 1024
 
 
 class PrefixBlocks:
     """One request's prefix hashes: `blocks[0]` is the key's, `blocks[i]` (i >= 1) that of
-    everything up to the end of block `first + i - 1`: each a hash of a whole prefix."""
+    the key and everything up to the end of block `first + i - 1`: each stands for a
+    whole prefix."""
 
     __slots__ = ("blocks", "first", "key")
 
@@ -52,39 +59,23 @@ class PrefixBlocks:
         self.blocks = blocks  # the key's hash, then the chained hashes of the blocks after
 
 
-def _text(content: Any) -> str | None:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # multi-part content: its text parts
-        return "".join(
-            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
-    return None
-
-
 def _chat(messages: list[Any]) -> tuple[bytes, int] | None:
-    """The messages as bytes, and where the key ends in them."""
-    parts: list[str] = []
-    key_parts = 0
-    for m in messages:
-        if not isinstance(m, dict):
-            continue
-        content = _text(m.get("content"))
-        if content is None:
-            continue
-        role = m.get("role")
-        role = role if isinstance(role, str) else ""
-        parts.append(f"{role}\x00{content}\x01")
-        if not key_parts and role == "user":
-            key_parts = len(parts)
-    if not parts:
+    """The messages as bytes (their JSON, as orjson writes it: the same messages always
+    give the same bytes, whatever the client's spacing), and where the key ends in them."""
+    if not messages:
         return None
-    if not key_parts:
-        key_parts = len(parts)  # no user message: all of it is the key
-    head = "".join(parts[:key_parts]).encode()
-    if key_parts == len(parts):
-        return head, len(head)
-    return head + "".join(parts[key_parts:]).encode(), len(head)
+    key = len(messages)  # no user message: all of it is the key
+    for i, m in enumerate(messages):
+        if isinstance(m, dict) and m.get("role") == "user":
+            key = i + 1
+            break
+    try:
+        data = orjson.dumps(messages)
+        # The JSON of the first `key` messages is a prefix of the whole, but for its "]".
+        key_end = len(data) - 1 if key == len(messages) else len(orjson.dumps(messages[:key])) - 1
+    except TypeError:  # e.g. an integer beyond 64 bits: not worth hashing
+        return None
+    return data, key_end
 
 
 def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
@@ -104,11 +95,10 @@ def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
     size = BLOCK_BYTES
     first = key_end // size
     end = min(len(data) // size, first + MAX_BLOCKS)
-    crc = zlib.crc32
-    h = crc(data[: first * size]) if first else 0
-    key = crc(data[first * size : key_end], h)
+    key = zlib.crc32(data[:key_end])
     blocks = [key]
+    h = key
     for start in range(first * size, end * size, size):
-        h = crc(data[start : start + size], h)
+        h = hash((h, data[start : start + size]))
         blocks.append(h)
     return PrefixBlocks(key, first, blocks)

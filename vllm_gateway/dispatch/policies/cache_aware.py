@@ -19,11 +19,16 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    does not draw them together (conversations differ in the key), and a hot worker sheds
    new conversations to the next in their order once past the bound.
 
-The load bound, per worker: `load + 1 <= load_bound x (total load + 1) x its share of
-speed`, where speed is pace x weight (pace: requests finished per second per running
-request, learned; a worker without one yet counts with the best pace) and load is the load
-view (load.py). A worker twice as fast may hold twice the requests. Rendezvous weighs by
-`weight` only (pace differs slightly between replicas; the order must not).
+The load bound, per worker: `load + 1 <= ceil(fair + (load_bound - 1) x max(fair,
+capacity))`, where `fair` is its share of the total load (this request included) in
+proportion to its speed, pace x weight (pace: requests finished per second per running
+request, learned; a worker without one yet counts with the best pace), `capacity` what
+it runs at once (buckets.py; 0 while unknown) and load the load view (load.py). Near
+capacity this is the classic bound (`load_bound` x fair); lightly loaded, a worker may
+run a quarter of its capacity (for the default 1.25) above an even split before it sheds
+new conversations, since a few requests more matter nothing to a worker with room for
+many. A worker twice as fast may hold twice the requests. Rendezvous weighs by `weight`
+only (pace differs slightly between replicas; the order must not).
 
 Requests without prompt text (token ids) go to the least expected wait, as with `queue`.
 Every request's blocks are recorded on the worker chosen, so its next turn finds them.
@@ -103,15 +108,23 @@ class CacheAware:
         total_speed = sum(speeds)
         if total_speed <= 0:
             return candidates[0]
-        # The fair share of load per unit of speed: load + 1 <= bound x fair x speed.
-        fair = (sum(loads) + 1.0) / total_speed
+        per_speed = (sum(loads) + 1.0) / total_speed  # fair load per unit of speed
+        # Each worker's fair share of the load (this request included), and the slack it
+        # may exceed that by: (bound - 1) x its fair share, or x its capacity when the
+        # fleet is lightly loaded (a few requests over an even split matter nothing to a
+        # worker with room for many; they matter once it nears its capacity).
+        fair = [per_speed * s for s in speeds]
+        slack = [
+            max(f, w.capacity or w.max_num_seqs) for f, w in zip(fair, candidates, strict=True)
+        ]
         holders, _ = self.index.deepest(blocks, candidates)
         if holders:
-            bound = 1.0 + HISTORY_SLACK * (self._bound - 1.0)
-            best = self._home(blocks.key, holders, candidates, loads, speeds, bound * fair)
+            extra = HISTORY_SLACK * (self._bound - 1.0)
+            best = self._home(blocks.key, holders, candidates, loads, fair, slack, extra)
             if best is not None:
                 return best
-        best = self._home(blocks.key, candidates, candidates, loads, speeds, self._bound * fair)
+        extra = self._bound - 1.0
+        best = self._home(blocks.key, candidates, candidates, loads, fair, slack, extra)
         if best is not None:
             return best
         # Nobody within the bound (cannot happen with a finite load; kept for safety).
@@ -123,16 +136,18 @@ class CacheAware:
         among: Sequence[Worker],
         candidates: Sequence[Worker],
         loads: list[float],
-        speeds: list[float],
-        per_speed: float,
+        fair: list[float],
+        slack: list[float],
+        extra: float,
     ) -> Worker | None:
-        """The first of `among` in the key's rendezvous order within the load limit."""
+        """The first of `among` in the key's rendezvous order within its load limit,
+        `load + 1 <= ceil(fair + extra x slack)`."""
         best: Worker | None = None
         best_rank = math.inf
         whole = among is candidates
         for i, w in enumerate(among):
             j = i if whole else candidates.index(w)
-            if loads[j] + 1.0 > math.ceil(per_speed * speeds[j]):
+            if loads[j] + 1.0 > math.ceil(fair[j] + extra * slack[j]):
                 continue
             rank = self._rank(key, w)
             if rank < best_rank:
