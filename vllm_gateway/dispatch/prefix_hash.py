@@ -11,6 +11,11 @@ conversation's next turn (the same messages plus new ones) repeats every hash of
 before. Block hashes are Python's `hash()` (fast; salted per process, which is fine: each
 process keeps its own index of them).
 
+The **preamble** is what many conversations share: for chat, the messages before the first
+user message (the system prompt); for a completion prompt, its first `KEY_BYTES`. Its
+whole blocks are hashed too (`shared`): a worker that holds them saves a new
+conversation their prefill.
+
 The **key** is the part that stays the same for every turn of one conversation and
 differs between conversations: for chat, the messages up to and including the first user
 message (the system prompt alone is shared by many conversations; with the first user
@@ -51,17 +56,19 @@ class PrefixBlocks:
     the key and everything up to the end of block `first + i - 1`: each stands for a
     whole prefix."""
 
-    __slots__ = ("blocks", "first", "key")
+    __slots__ = ("blocks", "first", "key", "shared")
 
-    def __init__(self, key: int, first: int, blocks: list[int]) -> None:
+    def __init__(self, key: int, first: int, blocks: list[int], shared: list[int]) -> None:
         self.key = key  # CRC-32 of the key: the same in every process
         self.first = first  # blocks wholly inside the key (not hashed one by one)
         self.blocks = blocks  # the key's hash, then the chained hashes of the blocks after
+        self.shared = shared  # chained hashes of the whole blocks of the preamble
 
 
-def _chat(messages: list[Any]) -> tuple[bytes, int] | None:
+def _chat(messages: list[Any]) -> tuple[bytes, int, int] | None:
     """The messages as bytes (their JSON, as orjson writes it: the same messages always
-    give the same bytes, whatever the client's spacing), and where the key ends in them."""
+    give the same bytes, whatever the client's spacing), where the preamble (the messages
+    before the first user message) ends in them, and where the key ends."""
     if not messages:
         return None
     key = len(messages)  # no user message: all of it is the key
@@ -71,11 +78,12 @@ def _chat(messages: list[Any]) -> tuple[bytes, int] | None:
             break
     try:
         data = orjson.dumps(messages)
-        # The JSON of the first `key` messages is a prefix of the whole, but for its "]".
+        # The JSON of the first k messages is a prefix of the whole, but for its "]".
         key_end = len(data) - 1 if key == len(messages) else len(orjson.dumps(messages[:key])) - 1
+        preamble_end = len(orjson.dumps(messages[: key - 1])) - 1 if key > 1 else 0
     except TypeError:  # e.g. an integer beyond 64 bits: not worth hashing
         return None
-    return data, key_end
+    return data, preamble_end, key_end
 
 
 def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
@@ -85,13 +93,13 @@ def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
         prompt = prompt[0] if prompt and isinstance(prompt[0], str) else None
     if isinstance(prompt, str):
         data = prompt.encode()
-        key_end = min(len(data), KEY_BYTES)
+        key_end = preamble_end = min(len(data), KEY_BYTES)
     else:
         messages = doc.get("messages")
         found = _chat(messages) if isinstance(messages, list) else None
         if found is None:
             return None
-        data, key_end = found
+        data, preamble_end, key_end = found
     size = BLOCK_BYTES
     first = key_end // size
     end = min(len(data) // size, first + MAX_BLOCKS)
@@ -101,4 +109,9 @@ def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
     for start in range(first * size, end * size, size):
         h = hash((h, data[start : start + size]))
         blocks.append(h)
-    return PrefixBlocks(key, first, blocks)
+    shared = []
+    h = 0
+    for start in range(0, min(preamble_end // size, MAX_BLOCKS) * size, size):
+        h = hash((h, data[start : start + size]))
+        shared.append(h)
+    return PrefixBlocks(key, first, blocks, shared)

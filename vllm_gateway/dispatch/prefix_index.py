@@ -60,15 +60,12 @@ class PrefixIndex:
 
     def record(self, worker: Worker, blocks: PrefixBlocks) -> None:
         """`worker` was sent a prompt with these blocks: it holds them now."""
-        hashes = blocks.blocks
-        if not hashes:
-            return
         sent = self._sent.get(worker)
         if sent is None:
             sent = self._sent[worker] = OrderedDict()
         where = self._where
         touch = sent.move_to_end
-        for h in hashes:
+        for h in (*blocks.shared, *blocks.blocks):
             if h in sent:
                 touch(h)
             else:
@@ -83,12 +80,11 @@ class PrefixIndex:
             self._drop(worker, sent.popitem(last=False)[0])
 
     def deepest(
-        self, blocks: PrefixBlocks, candidates: Sequence[Worker]
+        self, hashes: Sequence[int], candidates: Sequence[Worker]
     ) -> tuple[list[Worker], int]:
-        """The candidates holding the most of `blocks` (the prompt's key, then its blocks
-        after the key), and how many of them; ([], 0) when none holds even the key."""
+        """The candidates holding the longest prefix of `hashes` (chained: each stands for
+        all before it), and its length; ([], 0) when none holds even the first."""
         where = self._where
-        hashes = blocks.blocks
         for depth in range(len(hashes), 0, -1):
             holders = where.get(hashes[depth - 1])
             if holders:

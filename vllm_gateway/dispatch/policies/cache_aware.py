@@ -11,8 +11,12 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    the most, the first in the key's rendezvous order takes it, unless its load is past a
    looser bound (`HISTORY_SLACK`): there the history is prefilled again elsewhere rather
    than pile onto one worker.
-2. **Otherwise** (a new conversation, or a prompt nobody holds past its key): the first
-   worker in the key's rendezvous order whose load stays within the load bound. The key
+2. **Preamble** (a new conversation): of the candidates holding the most of its
+   preamble (its system prompt, shared with other conversations), the first in the key's
+   rendezvous order within the load bound: it saves the preamble's prefill. Once every
+   worker holds the preamble, this is step 3.
+3. **Otherwise**: the first worker in the key's rendezvous order whose load stays within
+   the load bound. The key
    is the conversation's stable start (prefix_hash.py: the messages up to the first user
    message), so every turn of a conversation, and every replica of the gateway, gets the
    same home without sharing any state; a system prompt shared by many conversations
@@ -117,13 +121,18 @@ class CacheAware:
         slack = [
             max(f, w.capacity or w.max_num_seqs) for f, w in zip(fair, candidates, strict=True)
         ]
-        holders, _ = self.index.deepest(blocks, candidates)
+        holders, _ = self.index.deepest(blocks.blocks, candidates)
         if holders:
             extra = HISTORY_SLACK * (self._bound - 1.0)
             best = self._home(blocks.key, holders, candidates, loads, fair, slack, extra)
             if best is not None:
                 return best
         extra = self._bound - 1.0
+        holders, _ = self.index.deepest(blocks.shared, candidates)
+        if holders and len(holders) < len(candidates):
+            best = self._home(blocks.key, holders, candidates, loads, fair, slack, extra)
+            if best is not None:
+                return best
         best = self._home(blocks.key, candidates, candidates, loads, fair, slack, extra)
         if best is not None:
             return best
