@@ -12,9 +12,9 @@ before. Block hashes are Python's `hash()` (fast; salted per process, which is f
 process keeps its own index of them).
 
 The **preamble** is what many conversations share: for chat, the messages before the first
-user message (the system prompt); for a completion prompt, its first `KEY_BYTES`. Its
-whole blocks are hashed too (`shared`): a worker that holds them saves a new
-conversation their prefill.
+user message (the system prompt); its CRC-32 lets dispatch keep the conversations that
+share it on as few workers as their traffic needs (policies/cache_aware.py). A completion
+prompt has none.
 
 The **key** is the part that stays the same for every turn of one conversation and
 differs between conversations: for chat, the messages up to and including the first user
@@ -56,13 +56,13 @@ class PrefixBlocks:
     the key and everything up to the end of block `first + i - 1`: each stands for a
     whole prefix."""
 
-    __slots__ = ("blocks", "first", "key", "shared")
+    __slots__ = ("blocks", "first", "key", "preamble")
 
-    def __init__(self, key: int, first: int, blocks: list[int], shared: list[int]) -> None:
+    def __init__(self, key: int, first: int, blocks: list[int], preamble: int = 0) -> None:
         self.key = key  # CRC-32 of the key: the same in every process
         self.first = first  # blocks wholly inside the key (not hashed one by one)
         self.blocks = blocks  # the key's hash, then the chained hashes of the blocks after
-        self.shared = shared  # chained hashes of the whole blocks of the preamble
+        self.preamble = preamble  # CRC-32 of the preamble; 0: none
 
 
 def _chat(messages: list[Any]) -> tuple[bytes, int, int] | None:
@@ -93,7 +93,7 @@ def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
         prompt = prompt[0] if prompt and isinstance(prompt[0], str) else None
     if isinstance(prompt, str):
         data = prompt.encode()
-        key_end = preamble_end = min(len(data), KEY_BYTES)
+        key_end, preamble_end = min(len(data), KEY_BYTES), 0
     else:
         messages = doc.get("messages")
         found = _chat(messages) if isinstance(messages, list) else None
@@ -109,9 +109,5 @@ def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
     for start in range(first * size, end * size, size):
         h = hash((h, data[start : start + size]))
         blocks.append(h)
-    shared = []
-    h = 0
-    for start in range(0, min(preamble_end // size, MAX_BLOCKS) * size, size):
-        h = hash((h, data[start : start + size]))
-        shared.append(h)
-    return PrefixBlocks(key, first, blocks, shared)
+    preamble = zlib.crc32(data[:preamble_end]) if preamble_end else 0
+    return PrefixBlocks(key, first, blocks, preamble)

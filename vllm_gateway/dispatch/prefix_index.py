@@ -65,7 +65,7 @@ class PrefixIndex:
             sent = self._sent[worker] = OrderedDict()
         where = self._where
         touch = sent.move_to_end
-        for h in (*blocks.shared, *blocks.blocks):
+        for h in blocks.blocks:
             if h in sent:
                 touch(h)
             else:

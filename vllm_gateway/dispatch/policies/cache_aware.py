@@ -11,17 +11,18 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    the most, the first in the key's rendezvous order takes it, unless its load is past a
    looser bound (`HISTORY_SLACK`): there the history is prefilled again elsewhere rather
    than pile onto one worker.
-2. **Preamble** (a new conversation): of the candidates holding the most of its
-   preamble (its system prompt, shared with other conversations), the first in the key's
-   rendezvous order within the load bound: it saves the preamble's prefill. Once every
-   worker holds the preamble, this is step 3.
-3. **Otherwise**: the first worker in the key's rendezvous order whose load stays within
-   the load bound. The key
-   is the conversation's stable start (prefix_hash.py: the messages up to the first user
-   message), so every turn of a conversation, and every replica of the gateway, gets the
-   same home without sharing any state; a system prompt shared by many conversations
-   does not draw them together (conversations differ in the key), and a hot worker sheds
-   new conversations to the next in their order once past the bound.
+2. **Otherwise** (a new conversation, or its history is not known here): the first
+   worker in the key's rendezvous order whose load stays within the load bound, among
+   the workers its preamble needs. The key is the conversation's stable start
+   (prefix_hash.py: the messages up to the first user message), so every turn of a
+   conversation, and every replica of the gateway, gets the same home without sharing
+   any state. The preamble (the system prompt) is shared by many conversations: they go
+   to the first `ceil(workers x its share of recent requests x load_bound)` workers in
+   the preamble's own rendezvous order (all of them for a preamble with most of the
+   traffic), so each worker caches few preambles and has room for histories, while no
+   preamble draws more conversations onto a worker than its traffic warrants. Past the
+   bound, or outside those workers when all of them are past it, a hot worker sheds new
+   conversations to the next in their order.
 
 The load bound, per worker: `load + 1 <= ceil(fair + (load_bound - 1) x max(fair,
 capacity))`, where `fair` is its share of the total load (this request included) in
@@ -40,10 +41,12 @@ Every request's blocks are recorded on the worker chosen, so its next turn finds
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import zlib
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.load import load
@@ -60,6 +63,32 @@ from vllm_gateway.workers import Worker
 # conversation (or a flood of identical prompts) spreads.
 HISTORY_SLACK = 2.0
 _M64 = (1 << 64) - 1
+# Requests over which each preamble's share of the traffic is counted.
+SHARE_WINDOW = 1024
+# Preambles whose rendezvous ranks are kept (then the cache starts over).
+MAX_PREAMBLES = 4096
+
+
+class _Shares:
+    """Each preamble's share of the last SHARE_WINDOW requests (that had one)."""
+
+    def __init__(self) -> None:
+        self._ring: deque[int] = deque()
+        self._counts: dict[int, int] = {}
+
+    def add(self, preamble: int) -> float:
+        """Count one more request with `preamble`; return its share now."""
+        ring, counts = self._ring, self._counts
+        ring.append(preamble)
+        counts[preamble] = counts.get(preamble, 0) + 1
+        if len(ring) > SHARE_WINDOW:
+            old = ring.popleft()
+            left = counts[old] - 1
+            if left:
+                counts[old] = left
+            else:
+                del counts[old]
+        return counts[preamble] / len(ring)
 
 
 def rendezvous_rank(key: int, worker: Worker, seed: int) -> float:
@@ -89,23 +118,28 @@ class CacheAware:
         self._fallback = QueuePolicy(rng)
         self.index = PrefixIndex()
         self._seeds: dict[str, int] = {}  # worker URL -> its rendezvous seed
+        self._shares = _Shares()
+        self._preamble_ranks: dict[int, dict[str, float]] = {}  # preamble -> URL -> rank
 
     def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
         blocks = info.prefix_blocks()
         if blocks is None or not candidates:
             return self._fallback.select(candidates, info)
-        worker = candidates[0] if len(candidates) == 1 else self._choose(candidates, blocks)
+        share = self._shares.add(blocks.preamble) if blocks.preamble else 1.0
+        one = len(candidates) == 1
+        worker = candidates[0] if one else self._choose(candidates, blocks, share)
         self.index.record(worker, blocks)
         return worker
 
     def forget_missing(self, present: set[Worker]) -> None:
-        """Forget the workers that left the registry (what they were sent, their seeds)."""
+        """Forget the workers that left the registry (what they were sent, their ranks)."""
         self.index.forget_missing(present)
         urls = {w.url for w in present}
         for url in [u for u in self._seeds if u not in urls]:
             del self._seeds[url]
+        self._preamble_ranks.clear()
 
-    def _choose(self, candidates: Sequence[Worker], blocks: PrefixBlocks) -> Worker:
+    def _choose(self, candidates: Sequence[Worker], blocks: PrefixBlocks, share: float) -> Worker:
         loads = [load(w) for w in candidates]
         best_pace = max(w.pace for w in candidates) or 1.0
         speeds = [(w.pace or best_pace) * w.weight for w in candidates]
@@ -113,27 +147,33 @@ class CacheAware:
         if total_speed <= 0:
             return candidates[0]
         per_speed = (sum(loads) + 1.0) / total_speed  # fair load per unit of speed
-        # Each worker's fair share of the load (this request included), and the slack it
-        # may exceed that by: (bound - 1) x its fair share, or x its capacity when the
-        # fleet is lightly loaded (a few requests over an even split matter nothing to a
-        # worker with room for many; they matter once it nears its capacity).
-        fair = [per_speed * s for s in speeds]
-        slack = [
-            max(f, w.capacity or w.max_num_seqs) for f, w in zip(fair, candidates, strict=True)
+        # Each worker's load limit: its fair share of the load (this request included),
+        # plus (bound - 1) x its fair share, or x its capacity when the fleet is lightly
+        # loaded (a few requests over an even split matter nothing to a worker with room
+        # for many; they matter once it nears its capacity). History gets twice the slack.
+        limits = [per_speed * s for s in speeds]
+        caps = [
+            max(f, w.capacity or w.max_num_seqs) for f, w in zip(limits, candidates, strict=True)
         ]
+        n = len(candidates)
         holders, _ = self.index.deepest(blocks.blocks, candidates)
         if holders:
             extra = HISTORY_SLACK * (self._bound - 1.0)
-            best = self._home(blocks.key, holders, candidates, loads, fair, slack, extra)
+            ids = {id(w) for w in holders}
+            among = [i for i, w in enumerate(candidates) if id(w) in ids]
+            best = self._home(blocks.key, among, candidates, loads, limits, caps, extra)
             if best is not None:
                 return best
         extra = self._bound - 1.0
-        holders, _ = self.index.deepest(blocks.shared, candidates)
-        if holders and len(holders) < len(candidates):
-            best = self._home(blocks.key, holders, candidates, loads, fair, slack, extra)
+        everyone = range(n)
+        want = math.ceil(n * share * self._bound)  # workers the preamble's traffic needs
+        if want < n:
+            ranks = self._ranks_for(blocks.preamble, candidates)
+            among = heapq.nsmallest(want, everyone, key=ranks.__getitem__)
+            best = self._home(blocks.key, among, candidates, loads, limits, caps, extra)
             if best is not None:
                 return best
-        best = self._home(blocks.key, candidates, candidates, loads, fair, slack, extra)
+        best = self._home(blocks.key, everyone, candidates, loads, limits, caps, extra)
         if best is not None:
             return best
         # Nobody within the bound (cannot happen with a finite load; kept for safety).
@@ -142,26 +182,40 @@ class CacheAware:
     def _home(
         self,
         key: int,
-        among: Sequence[Worker],
+        among: Iterable[int],
         candidates: Sequence[Worker],
         loads: list[float],
         fair: list[float],
-        slack: list[float],
+        caps: list[float],
         extra: float,
     ) -> Worker | None:
-        """The first of `among` in the key's rendezvous order within its load limit,
-        `load + 1 <= ceil(fair + extra x slack)`."""
+        """Of the candidates at indexes `among`, the first in the key's rendezvous order
+        within its load limit, `load + 1 <= ceil(fair + extra x max(fair, capacity))`."""
         best: Worker | None = None
         best_rank = math.inf
-        whole = among is candidates
-        for i, w in enumerate(among):
-            j = i if whole else candidates.index(w)
-            if loads[j] + 1.0 > math.ceil(fair[j] + extra * slack[j]):
+        for j in among:
+            if loads[j] + 1.0 > math.ceil(fair[j] + extra * caps[j]):
                 continue
+            w = candidates[j]
             rank = self._rank(key, w)
             if rank < best_rank:
                 best, best_rank = w, rank
         return best
+
+    def _ranks_for(self, preamble: int, candidates: Sequence[Worker]) -> list[float]:
+        """The candidates' rendezvous ranks for a preamble (cached: preambles are few)."""
+        cached = self._preamble_ranks.get(preamble)
+        if cached is None:
+            if len(self._preamble_ranks) >= MAX_PREAMBLES:
+                self._preamble_ranks.clear()
+            cached = self._preamble_ranks[preamble] = {}
+        ranks = []
+        for w in candidates:
+            r = cached.get(w.url)
+            if r is None:
+                r = cached[w.url] = self._rank(preamble, w)
+            ranks.append(r)
+        return ranks
 
     def _rank(self, key: int, worker: Worker) -> float:
         seed = self._seeds.get(worker.url)
