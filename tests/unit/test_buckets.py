@@ -154,3 +154,29 @@ def test_each_gateway_process_takes_its_share_of_the_room():
     assert half.by_worker[w].tokens == pytest.approx(2.0)
     send(w, half, 2)
     assert not half.has_token(w)
+
+
+def test_a_probe_that_only_confirms_the_capacity_doubles_the_holdoff():
+    registry, w, b = setup()
+    report(registry, w, running=4, waiting=1)  # capacity 4 learned at t=0
+    bucket = b.by_worker[w]
+    at = PROBE_HOLDOFF
+    for expected in (2 * PROBE_HOLDOFF, 4 * PROBE_HOLDOFF):
+        report(registry, w, running=4, waiting=0, at=at)  # full, no queue: probe 5
+        assert bucket.capacity == 5
+        report(registry, w, running=4, waiting=1, at=at + 0.25)  # a queue at 4 again
+        assert bucket.capacity == 4 and bucket.holdoff == expected
+        report(registry, w, running=4, waiting=0, at=at + 0.5 + PROBE_HOLDOFF)
+        assert bucket.capacity == 4  # not probed before the longer holdoff
+        at += 0.25 + expected
+    # A probe that finds room resets the holdoff.
+    report(registry, w, running=4, waiting=0, at=at)
+    report(registry, w, running=5, waiting=0, at=at + 0.25)
+    assert bucket.capacity == 7 and bucket.holdoff == PROBE_HOLDOFF
+
+
+def test_a_configured_capacity_closes_the_gate_without_a_scrape():
+    registry, w, b = setup()
+    w.max_num_seqs = 3
+    send(w, b, 3)
+    assert b.is_full(w) and not b.has_token(w) and b.describe(w)["capacity"] == 3

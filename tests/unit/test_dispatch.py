@@ -212,3 +212,38 @@ async def test_load_blind_policies_never_queue():
     async with d.lease(info()) as lease:
         assert lease.worker is w
     assert d.admission.admitted == 0
+
+
+async def test_a_configured_capacity_gates_before_anything_is_learned():
+    """max_num_seqs from the config: the gateway's in-flight count decides "full"; the
+    next request waits in the gateway and takes the first slot freed, on either worker."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
+    for w in ws:
+        w.max_num_seqs = 2
+    release = asyncio.Event()
+    order: list = []
+    holders = [asyncio.create_task(hold(d, i, order, release)) for i in range(4)]
+    await asyncio.sleep(0.01)
+    assert [w.inflight for w in ws] == [2, 2] and len(order) == 4
+    waiting = asyncio.create_task(hold(d, 9, order, asyncio.Event()))
+    await asyncio.sleep(0.01)
+    assert d.admission.depth == 1 and d.sent_to_full == 0
+    holders[0].cancel()  # one request ends: its slot takes the waiting one
+    await asyncio.sleep(0.01)
+    assert d.admission.depth == 0 and order[-1][0] == 9
+    assert order[-1][1].worker is order[0][1].worker and order[-1][1].waited > 0
+    release.set()
+    waiting.cancel()
+    await asyncio.gather(*holders, waiting, return_exceptions=True)
+
+
+async def test_load_blind_policies_count_requests_sent_to_a_full_worker():
+    registry, ws, d = fleet("round_robin", (WorkerState.READY,))
+    ws[0].max_num_seqs = 1
+    async with d.lease(info(0)) as first, d.lease(info(1)) as second:
+        assert not first.full and second.full  # round_robin ignores the gate
+    assert d.sent_to_full == 1
+    full(registry, ws[0], running=1, waiting=3)  # its queue, as reported
+    async with d.lease(info(2)) as third:
+        assert third.full
+    assert d.sent_to_full == 2
