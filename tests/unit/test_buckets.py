@@ -176,7 +176,7 @@ def test_a_probe_that_only_confirms_the_capacity_doubles_the_holdoff():
 
 
 def test_a_configured_capacity_closes_the_gate_without_a_scrape():
-    registry, w, b = setup()
+    _registry, w, b = setup()
     w.max_num_seqs = 3
     send(w, b, 3)
     assert b.is_full(w) and not b.has_token(w) and b.describe(w)["capacity"] == 3

@@ -217,7 +217,7 @@ async def test_load_blind_policies_never_queue():
 async def test_a_configured_capacity_gates_before_anything_is_learned():
     """max_num_seqs from the config: the gateway's in-flight count decides "full"; the
     next request waits in the gateway and takes the first slot freed, on either worker."""
-    registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
+    _registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
     for w in ws:
         w.max_num_seqs = 2
     release = asyncio.Event()
