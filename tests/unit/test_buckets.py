@@ -53,10 +53,15 @@ def test_tokens_follow_a_scripted_queue():
     report(registry, w, running=0, waiting=0)
     send(w, b, int(PROBE_START))
     assert not b.has_token(w) and b.describe(w)["capacity"] == PROBE_START
-    # ...and doubles with each scrape that shows the worker running it all with no queue.
+    # ...and doubles with each scrape that shows the worker running it all with no queue,
+    # while requests wait for it (without demand, more capacity is not worth a probe).
+    report(registry, w, running=PROBE_START, waiting=0)
+    assert b.describe(w)["capacity"] == PROBE_START
+    b.note_demand([w])
     report(registry, w, running=PROBE_START, waiting=0)
     send(w, b, int(PROBE_START))
     assert not b.has_token(w) and b.describe(w)["tokens"] is None  # gated, bucket open
+    b.note_demand([w])
     report(registry, w, running=2 * PROBE_START, waiting=0)
     assert b.has_token(w) and b.describe(w)["capacity"] == 4 * PROBE_START
     # A queue: it runs all it can (its capacity is learned) and gets nothing more.
@@ -75,10 +80,12 @@ def test_tokens_follow_a_scripted_queue():
     # Full without a queue, but it queued less than PROBE_HOLDOFF ago: no more.
     report(registry, w, running=60, waiting=0, at=PROBE_HOLDOFF - 0.1)
     assert b.by_worker[w].capacity == 60 and not b.has_token(w)
-    # Later, capacity is probed upward, 1 then 2 then 3.
+    # Later, while requests wait for it, capacity is probed upward, 1 then 2 then 3.
+    b.note_demand([w])
     report(registry, w, running=60, waiting=0, at=PROBE_HOLDOFF)
     assert b.by_worker[w].capacity == 61
     send(w, b, 1)
+    b.note_demand([w])
     report(registry, w, running=61, waiting=0, at=PROBE_HOLDOFF + 0.25)
     assert b.by_worker[w].capacity == 63 and b.by_worker[w].tokens == pytest.approx(2.0)
     # At stop_waiting or more waiting: stopped; finishing requests earn nothing.
@@ -162,15 +169,21 @@ def test_a_probe_that_only_confirms_the_capacity_doubles_the_holdoff():
     bucket = b.by_worker[w]
     at = PROBE_HOLDOFF
     for expected in (2 * PROBE_HOLDOFF, 4 * PROBE_HOLDOFF):
+        b.note_demand([w])
         report(registry, w, running=4, waiting=0, at=at)  # full, no queue: probe 5
         assert bucket.capacity == 5
         report(registry, w, running=4, waiting=1, at=at + 0.25)  # a queue at 4 again
         assert bucket.capacity == 4 and bucket.holdoff == expected
+        b.note_demand([w])
         report(registry, w, running=4, waiting=0, at=at + 0.5 + PROBE_HOLDOFF)
         assert bucket.capacity == 4  # not probed before the longer holdoff
         at += 0.25 + expected
-    # A probe that finds room resets the holdoff.
+    # A probe that finds room resets the holdoff; no probe without demand.
     report(registry, w, running=4, waiting=0, at=at)
+    assert bucket.capacity == 4
+    b.note_demand([w])
+    report(registry, w, running=4, waiting=0, at=at)
+    b.note_demand([w])
     report(registry, w, running=5, waiting=0, at=at + 0.25)
     assert bucket.capacity == 7 and bucket.holdoff == PROBE_HOLDOFF
 

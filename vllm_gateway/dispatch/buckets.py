@@ -33,7 +33,11 @@ also before anything was learned. The capacity is, first found first:
    at its true capacity is probed ever more rarely;
 3. before that, a probing limit: `PROBE_START` at first, doubled by each scrape that
    shows the worker running all it was given with no queue (slow start), until a queue
-   teaches the capacity. Without a fresh scrape there is no evidence either way and no
+   teaches the capacity.
+
+Probing (2 and 3) happens only while it is needed: when a request found no room and
+waited since the last scrape (`note_demand`). A fleet with room to spare is never
+overshot. Without a fresh scrape there is no evidence either way and no
    probing limit: the gate is open (the policies fall back to in-flight counts).
 
 Dispatch owns the buckets and calls `on_stats`, `take` and `on_release`; everything here is
@@ -44,6 +48,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterable
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.workers import Worker
@@ -73,6 +78,7 @@ class TokenBucket:
     __slots__ = (
         "capacity",
         "completion_rate",
+        "demand",
         "gain",
         "holdoff",
         "limit",
@@ -98,6 +104,9 @@ class TokenBucket:
         self.holdoff = PROBE_HOLDOFF  # seconds without a queue before probing upward
         self.probed_from: float | None = None  # capacity a running probe started from
         self.probe_limit = PROBE_START  # the capacity gate while `capacity` is unknown
+        # A request found no room on it (and waited) since the last scrape: only then is
+        # a larger capacity worth probing for (an overshoot queues a request in the worker).
+        self.demand = False
         self.queued_at = -math.inf  # EngineStats.at of the last scrape showing a queue
         self.log_duration: float | None = None  # running mean of log(request seconds)
         self.completion_rate = 0.0  # finished requests per second, decayed
@@ -170,7 +179,13 @@ class Buckets:
             return  # stale: the bucket is open until a fresh scrape
         b = self.bucket(worker)
         self._on_stats(worker, b, stats.running, stats.waiting, stats.at)
+        b.demand = False
         worker.capacity = self.capacity_of(worker) or 0.0  # what policies read
+
+    def note_demand(self, workers: Iterable[Worker]) -> None:
+        """A request found no room on any of `workers` and waits: their capacity binds."""
+        for worker in workers:
+            self.bucket(worker).demand = True
 
     def _on_stats(
         self, worker: Worker, b: TokenBucket, running: float, waiting: float, at: float
@@ -180,10 +195,11 @@ class Buckets:
         if waiting > 0:
             self._queued(b, running, at)
         elif b.capacity is None:
-            # Slow start: it runs all the gate let through, with no queue: double the gate.
-            if max(running, worker.inflight / self.share) >= b.probe_limit:
+            # Slow start: it runs all the gate let through, with no queue, and requests
+            # waited for it: double the gate.
+            if b.demand and max(running, worker.inflight / self.share) >= b.probe_limit:
                 b.probe_limit = min(PROBE_MAX, b.probe_limit * 2.0)
-        elif running >= b.capacity and at - b.queued_at >= b.holdoff:
+        elif b.demand and running >= b.capacity and at - b.queued_at >= b.holdoff:
             if b.probes == 0:
                 b.probed_from = b.capacity
             elif b.probed_from is not None and running > b.probed_from:

@@ -284,6 +284,7 @@ class Dispatcher:
             has_token = self.buckets.has_token
             candidates = [w for w in available if has_token(w)]
             if not candidates:
+                self.buckets.note_demand(available)  # what they run binds: probe for more
                 return None
         else:
             candidates = available
