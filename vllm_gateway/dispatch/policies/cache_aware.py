@@ -65,9 +65,6 @@ HISTORY_SLACK = 2.0
 _M64 = (1 << 64) - 1
 # Requests over which each preamble's share of the traffic is counted.
 SHARE_WINDOW = 1024
-# Until this many requests are counted, shares are of this many: the first requests after a
-# start do not make their preamble look like all the traffic (and spread it everywhere).
-SHARE_MIN = 64
 # Preambles whose rendezvous ranks are kept (then the cache starts over).
 MAX_PREAMBLES = 4096
 
@@ -91,7 +88,7 @@ class _Shares:
                 counts[old] = left
             else:
                 del counts[old]
-        return counts[preamble] / max(len(ring), SHARE_MIN)
+        return counts[preamble] / len(ring)
 
 
 def rendezvous_rank(key: int, worker: Worker, seed: int) -> float:
