@@ -129,7 +129,7 @@ async def test_when_every_worker_is_full_a_request_waits_for_the_first_freed_slo
     r = await long_one
     await r.read()
     assert all(w.stats.max_waiting_seen == 0 for w in ws)  # nothing queued inside a worker
-    assert dispatcher.admission.admitted == 1 and dispatcher.sent_to_full == 0
+    assert dispatcher.admission.admitted == 1 and dispatcher.buckets.sent_to_full == 0
     async with http.get(gw.url + "/metrics") as m:
         page = await m.text()
     assert 'vllm_gateway_admission_queue_wait_seconds_count{model="m"} 1' in page

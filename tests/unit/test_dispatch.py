@@ -227,7 +227,7 @@ async def test_a_configured_capacity_gates_before_anything_is_learned():
     assert [w.inflight for w in ws] == [2, 2] and len(order) == 4
     waiting = asyncio.create_task(hold(d, 9, order, asyncio.Event()))
     await asyncio.sleep(0.01)
-    assert d.admission.depth == 1 and d.sent_to_full == 0
+    assert d.admission.depth == 1 and d.buckets.sent_to_full == 0
     holders[0].cancel()  # one request ends: its slot takes the waiting one
     await asyncio.sleep(0.01)
     assert d.admission.depth == 0 and order[-1][0] == 9
@@ -242,8 +242,8 @@ async def test_load_blind_policies_count_requests_sent_to_a_full_worker():
     ws[0].max_num_seqs = 1
     async with d.lease(info(0)) as first, d.lease(info(1)) as second:
         assert not first.full and second.full  # round_robin ignores the gate
-    assert d.sent_to_full == 1
+    assert d.buckets.sent_to_full == 1
     full(registry, ws[0], running=1, waiting=3)  # its queue, as reported
     async with d.lease(info(2)) as third:
         assert third.full
-    assert d.sent_to_full == 2
+    assert d.buckets.sent_to_full == 2

@@ -125,6 +125,7 @@ class Buckets:
         self.stop_waiting = config.stop_waiting
         self.share = share  # of each worker's room this process may fill (1 / processes)
         self.by_worker: dict[Worker, TokenBucket] = {}
+        self.sent_to_full = 0  # requests sent to a worker that was already full (take)
 
     def bucket(self, worker: Worker) -> TokenBucket:
         b = self.by_worker.get(worker)
@@ -160,11 +161,19 @@ class Buckets:
         b = self.by_worker.get(worker)
         return b is None or b.open or b.tokens >= 1.0
 
-    def take(self, worker: Worker) -> None:
-        """A request was sent to `worker`."""
+    def take(self, worker: Worker, gated: bool = True) -> bool:
+        """A request is sent to `worker` (not yet in its in-flight count): take a token.
+        Return whether the worker was already full: its last scrape showed a queue, or
+        (for a policy that does not ask the gate, `gated` False) its capacity is reached;
+        `sent_to_full` counts those."""
+        stats = worker.stats
+        full = (stats is not None and stats.waiting > 0) or (not gated and self.is_full(worker))
+        if full:
+            self.sent_to_full += 1
         b = self.by_worker.get(worker)
         if b is not None:
             b.tokens -= 1.0
+        return full
 
     def refund(self, worker: Worker) -> None:
         """A request sent to `worker` never reached it (unreachable): give the token back."""

@@ -54,7 +54,7 @@ from types import TracebackType
 from vllm_gateway.config.gateway import DispatchConfig, RetryConfig
 from vllm_gateway.dispatch.admission import Admission, Waiter
 from vllm_gateway.dispatch.buckets import Buckets
-from vllm_gateway.dispatch.policies import Policy
+from vllm_gateway.dispatch.policies import Policy, forget_missing
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.errors import (
     GatewayError,
@@ -109,6 +109,7 @@ class Lease:
         info: RequestInfo,
         attempt: int = 1,
         can_retry: bool = False,
+        full: bool = False,
     ) -> None:
         self._dispatcher = dispatcher
         self.worker = worker
@@ -126,7 +127,7 @@ class Lease:
         self.waited = 0.0  # seconds spent in the admission queue before this lease
         # Sent to a worker that was already full: this process's in-flight requests to it
         # had reached its capacity, or its last scrape reported requests waiting.
-        self.full = False
+        self.full = full
 
 
 class _LeaseContext:
@@ -219,7 +220,6 @@ class Dispatcher:
         # Models whose requests wait in the admission queue when no worker serves them or
         # none is available (the autoscaler starts one: scale from zero), instead of 404/503.
         self.scales_from_zero: frozenset[str] = frozenset()
-        self.sent_to_full = 0  # leases on a worker that was already full (Lease.full)
         registry.listeners.append(self._on_registry_change)
         registry.stats_listeners.append(self._on_stats)
 
@@ -291,21 +291,13 @@ class Dispatcher:
         worker = policy.select(candidates, info)
         if worker is None:
             return None
-        stats = worker.stats
-        full = (stats is not None and stats.waiting > 0) or (
-            not policy.load_aware and self.buckets.is_full(worker)
-        )
+        full = self.buckets.take(worker, gated=policy.load_aware)  # before counting it in
         worker.inflight += 1
         _count_model(worker, info.model, 1)
         worker.sent_since_scrape += 1
-        self.buckets.take(worker)
         attempt = len(exclude) + 1
         can_retry = attempt < self.retry.max_attempts and len(available) > 1
-        lease = Lease(self, worker, info, attempt, can_retry)
-        if full:
-            lease.full = True
-            self.sent_to_full += 1
-        return lease
+        return Lease(self, worker, info, attempt, can_retry, full)
 
     # --- the admission queue --------------------------------------------------------------
 
@@ -382,10 +374,7 @@ class Dispatcher:
     def _on_registry_change(self) -> None:
         present = set(self.registry)
         self.buckets.forget_missing(present)
-        for policy in {self.policy, *self.policy_for_model.values()}:
-            forget = getattr(policy, "forget_missing", None)  # policies that remember workers
-            if forget is not None:
-                forget(present)
+        forget_missing({self.policy, *self.policy_for_model.values()}, present)
         self._serve_all()
 
     def _retry_after(self, model: str) -> float:

@@ -390,7 +390,7 @@ def _dispatch_metrics(
         "Requests sent to a worker that was already full (this process's in-flight to it at "
         "its capacity, or its last scrape reported a queue): they wait inside the worker.",
     )
-    w.sample(p + "dispatch_sent_to_full_total", dispatcher.sent_to_full)
+    w.sample(p + "dispatch_sent_to_full_total", dispatcher.buckets.sent_to_full)
     described = [(worker.url, dispatcher.buckets.describe(worker)) for worker in workers]
     for name, key, help_ in (
         (

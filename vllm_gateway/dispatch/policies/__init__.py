@@ -7,6 +7,7 @@ names its dispatch methods `lottery` and `shortest_queue`; they are accepted as 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.policies.base import Policy, PolicyFactory
@@ -18,6 +19,7 @@ from vllm_gateway.dispatch.policies.queue import QueuePolicy
 from vllm_gateway.dispatch.policies.random_choice import RandomChoice
 from vllm_gateway.dispatch.policies.round_robin import RoundRobin
 from vllm_gateway.dispatch.policies.session import SessionAffinity
+from vllm_gateway.workers import Worker
 
 POLICIES: dict[str, PolicyFactory] = {
     "cache_aware": CacheAware,
@@ -48,6 +50,14 @@ def check_policy_name(name: str) -> str | None:
     return f"unknown policy {name!r}; choose one of {', '.join(policy_names())}"
 
 
+def forget_missing(policies: Iterable[Policy], present: set[Worker]) -> None:
+    """Tell the policies that remember workers (cache_aware's index) which are left."""
+    for policy in policies:
+        forget = getattr(policy, "forget_missing", None)
+        if forget is not None:
+            forget(present)
+
+
 def make_policy(
     name: str, rng: random.Random | None = None, config: DispatchConfig | None = None
 ) -> Policy:
@@ -56,4 +66,11 @@ def make_policy(
     return factory(rng or random.Random(), config or DispatchConfig())
 
 
-__all__ = ["POLICIES", "Policy", "check_policy_name", "make_policy", "policy_names"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "check_policy_name",
+    "forget_missing",
+    "make_policy",
+    "policy_names",
+]
