@@ -125,9 +125,7 @@ class Lease:
         self.first_byte = 0.0
         self.bytes = 0
         self.waited = 0.0  # seconds spent in the admission queue before this lease
-        # Sent to a worker that was already full: this process's in-flight requests to it
-        # had reached its capacity, or its last scrape reported requests waiting.
-        self.full = full
+        self.full = full  # sent to a worker already full (Buckets.take says when)
 
 
 class _LeaseContext:
