@@ -147,14 +147,15 @@ class Buckets:
 
     def is_full(self, worker: Worker) -> bool:
         """The capacity gate: this process's in-flight requests fill its share of the
-        worker's capacity."""
-        capacity = self.capacity_of(worker)
-        return capacity is not None and worker.inflight >= max(1.0, capacity * self.share)
+        worker's capacity (`Worker.capacity`, kept equal to `capacity_of` by on_stats)."""
+        capacity = worker.max_num_seqs or worker.capacity
+        return bool(capacity) and worker.inflight >= max(1.0, capacity * self.share)
 
     def has_token(self, worker: Worker) -> bool:
         """May `worker` be sent a request now? Not when full (the capacity gate); else
         always without a fresh scrape, else when its bucket holds a token."""
-        if self.is_full(worker):
+        capacity = worker.max_num_seqs or worker.capacity  # is_full, inline: hot path
+        if capacity and worker.inflight >= max(1.0, capacity * self.share):
             return False
         if worker.stats is None:
             return True
@@ -184,8 +185,9 @@ class Buckets:
     def on_stats(self, worker: Worker) -> None:
         """Re-fill from a new scrape (see the module docstring)."""
         stats = worker.stats
-        if stats is None:
-            return  # stale: the bucket is open until a fresh scrape
+        if stats is None:  # stale: the bucket is open until a fresh scrape, no probing
+            worker.capacity = self.capacity_of(worker) or 0.0
+            return
         b = self.bucket(worker)
         self._on_stats(worker, b, stats.running, stats.waiting, stats.at)
         b.demand = False

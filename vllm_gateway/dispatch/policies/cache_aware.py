@@ -140,28 +140,30 @@ class CacheAware:
         self._preamble_ranks.clear()
 
     def _choose(self, candidates: Sequence[Worker], blocks: PrefixBlocks, share: float) -> Worker:
-        loads = [load(w) for w in candidates]
-        best_pace = max(w.pace for w in candidates) or 1.0
+        loads = []
+        best_pace = 0.0
+        for w in candidates:
+            loads.append(load(w))
+            if w.pace > best_pace:
+                best_pace = w.pace
+        best_pace = best_pace or 1.0
         speeds = [(w.pace or best_pace) * w.weight for w in candidates]
         total_speed = sum(speeds)
         if total_speed <= 0:
             return candidates[0]
-        per_speed = (sum(loads) + 1.0) / total_speed  # fair load per unit of speed
-        # Each worker's load limit: its fair share of the load (this request included),
-        # plus (bound - 1) x its fair share, or x its capacity when the fleet is lightly
-        # loaded (a few requests over an even split matter nothing to a worker with room
-        # for many; they matter once it nears its capacity). History gets twice the slack.
-        limits = [per_speed * s for s in speeds]
-        caps = [
-            max(f, w.capacity or w.max_num_seqs) for f, w in zip(limits, candidates, strict=True)
-        ]
+        # The fair load per unit of speed (this request included): a worker's limit is its
+        # fair share plus (bound - 1) x that share, or x its capacity when the fleet is
+        # lightly loaded (a few requests over an even split matter nothing to a worker
+        # with room for many; they matter once it nears its capacity). History gets twice
+        # the slack.
+        per_speed = (sum(loads) + 1.0) / total_speed
         n = len(candidates)
         holders, _ = self.index.deepest(blocks.blocks, candidates)
         if holders:
             extra = HISTORY_SLACK * (self._bound - 1.0)
             ids = {id(w) for w in holders}
             among = [i for i, w in enumerate(candidates) if id(w) in ids]
-            best = self._home(blocks.key, among, candidates, loads, limits, caps, extra)
+            best = self._home(blocks.key, among, candidates, loads, speeds, per_speed, extra)
             if best is not None:
                 return best
         extra = self._bound - 1.0
@@ -170,10 +172,10 @@ class CacheAware:
         if want < n:
             ranks = self._ranks_for(blocks.preamble, candidates)
             among = heapq.nsmallest(want, everyone, key=ranks.__getitem__)
-            best = self._home(blocks.key, among, candidates, loads, limits, caps, extra)
+            best = self._home(blocks.key, among, candidates, loads, speeds, per_speed, extra)
             if best is not None:
                 return best
-        best = self._home(blocks.key, everyone, candidates, loads, limits, caps, extra)
+        best = self._home(blocks.key, everyone, candidates, loads, speeds, per_speed, extra)
         if best is not None:
             return best
         # Nobody within the bound (cannot happen with a finite load; kept for safety).
@@ -185,19 +187,25 @@ class CacheAware:
         among: Iterable[int],
         candidates: Sequence[Worker],
         loads: list[float],
-        fair: list[float],
-        caps: list[float],
+        speeds: list[float],
+        per_speed: float,
         extra: float,
     ) -> Worker | None:
         """Of the candidates at indexes `among`, the first in the key's rendezvous order
         within its load limit, `load + 1 <= ceil(fair + extra x max(fair, capacity))`."""
         best: Worker | None = None
         best_rank = math.inf
+        seeds = self._seeds
         for j in among:
-            if loads[j] + 1.0 > math.ceil(fair[j] + extra * caps[j]):
-                continue
             w = candidates[j]
-            rank = self._rank(key, w)
+            fair = per_speed * speeds[j]
+            capacity = w.capacity or w.max_num_seqs
+            if loads[j] + 1.0 > math.ceil(fair + extra * (capacity if capacity > fair else fair)):
+                continue
+            seed = seeds.get(w.url)
+            if seed is None:
+                seed = seeds[w.url] = zlib.crc32(w.url.encode())
+            rank = rendezvous_rank(key, w, seed)
             if rank < best_rank:
                 best, best_rank = w, rank
         return best
