@@ -61,7 +61,11 @@ def events(stderr: bytes) -> list[dict]:
 async def test_agent_registers_heartbeats_and_drains_on_sigterm(fake_worker, gateway, client):
     static = await fake_worker(models="m", tpot_ms=40, ttft_ms=1)
     agented = await fake_worker(models="m", tpot_ms=40, ttft_ms=1)
-    gw = await gateway([static], registration=RegistrationConfig(token=TOKEN, heartbeat_expiry=5))
+    gw = await gateway(
+        [static],
+        registration=RegistrationConfig(token=TOKEN, heartbeat_expiry=5),
+        policy="queue",  # equal prompts spread (the default keeps them together, bounded)
+    )
     registry = gw.app[REGISTRY]
     agent = await start_agent(gw.url, agented.url)
     try:

@@ -96,7 +96,7 @@ async def test_policy_timeouts_pins_and_restart_only_settings(fake_worker, gatew
         workers=(WorkerSpec(url=a.url, models=("pinned",), weight=2.0),),
     )
     changes = apply_config(gw.app, new)
-    assert "policy: queue -> round_robin" in changes
+    assert "policy: cache_aware -> round_robin" in changes
     assert "dispatch settings or per-model policies changed" in changes
     assert type(g.dispatcher.policy_for_model["m"]).__name__ != type(g.dispatcher.policy).__name__
     assert "timeouts changed" in changes

@@ -28,7 +28,8 @@ def expected_text(n: int) -> str:
 async def test_drained_worker_gets_nothing_new_and_its_streams_finish(fake_worker, gateway, client):
     w1 = await fake_worker(models="m", tpot_ms=25, ttft_ms=1)
     w2 = await fake_worker(models="m", tpot_ms=25, ttft_ms=1)
-    gw = await gateway([w1, w2], admin=ADMIN, probe=STEADY_PROBES)
+    # `queue` spreads equal prompts (the default keeps them together, up to a bound).
+    gw = await gateway([w1, w2], admin=ADMIN, probe=STEADY_PROBES, policy="queue")
     c = client(gw)
     registry = gw.app[REGISTRY]
 

@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import STEADY_PROBES, wait_until
 from vllm_gateway.app import REGISTRY
+from vllm_gateway.config.gateway import WorkerSpec
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -257,7 +258,10 @@ async def test_200_concurrent_streams_every_chunk_intact(fake_worker, gateway, c
     workers = [
         await fake_worker(models="m", tpot_ms=20, ttft_ms=5, max_num_seqs=256) for _ in range(2)
     ]
-    gw = await gateway(workers, probe=STEADY_PROBES)  # a slow probe under load is no failure
+    # Their batch size declared, so the capacity gate holds nothing back (learning it
+    # starts at 8 per worker and doubles per scrape while requests wait).
+    specs = [WorkerSpec(url=w.url, max_num_seqs=256) for w in workers]
+    gw = await gateway(specs, probe=STEADY_PROBES)  # a slow probe under load is no failure
     c = client(gw, timeout=30)
     n_tokens = 20
 
