@@ -44,13 +44,7 @@ class WorkerSpec:
         "and remembered while it is out.",
     )
     weight: float = setting(1.0, "Relative share of traffic for weighted policies.", minimum=0.0)
-    max_num_seqs: int = setting(
-        0,
-        "Requests the worker runs at once (its vLLM --max-num-seqs): dispatch sends it no "
-        "more and holds the rest in the admission queue. 0: learned from its reported queue.",
-        unit="requests",
-        minimum=0,
-    )
+    max_num_seqs: int = setting(0, "Its batch size (vLLM --max-num-seqs); 0: learned.", minimum=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,9 +336,8 @@ class DispatchConfig:
 
     load_bound: float = setting(
         1.25,
-        "cache_aware, session and prefix policies: a worker keeps its affine requests only "
-        "while its load is under this multiple of the fleet's average (per unit of speed, "
-        "for cache_aware); then the next in line takes them.",
+        "cache_aware, session, prefix: a worker keeps its affine requests only while its load "
+        "is under this multiple of its fair share; then the next in line takes them.",
         minimum=1.0,
     )
     prefix_chars: int = setting(

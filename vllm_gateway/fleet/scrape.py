@@ -47,6 +47,7 @@ MAX_REQUESTS = 1_000_000.0
 def _clamp(value: float, high: float) -> float:
     return min(max(value, 0.0), high)
 
+
 # vLLM's info gauge of its cache configuration: labels num_gpu_blocks and block_size give
 # the KV cache's size in tokens (the prefix index is sized like it: dispatch/prefix_index.py).
 CACHE_CONFIG = "vllm:cache_config_info"
