@@ -37,7 +37,7 @@ def _fleet(n: int) -> WorkerRegistry:
     registry = WorkerRegistry()
     rng = random.Random(n)
     for i in range(n):
-        w, _ = registry.add(f"http://10.0.{i // 250}.{i % 250}:8000", models=("m",))
+        w, _ = registry.add(f"http://127.0.{i // 250}.{i % 250 + 1}:8000", models=("m",))
         registry.set_state(w, WorkerState.READY, "bench")
         w.pace = 0.5 + rng.random()
         registry.set_stats(w, EngineStats(rng.randrange(8), 0, 0.3, time.monotonic()))
