@@ -103,10 +103,12 @@ class RequestInfo:
     def release_body(self) -> None:
         """Drop the body and its parsed JSON: once a worker's answer is being relayed, no
         retry can need them, and a long prompt would otherwise stay in memory for the
-        whole stream (its size again in parsed form). What telemetry and the access log
-        read (model, stream, path, request id) stays."""
+        whole stream (its size again in parsed form), and its prefix hashes (dispatch is
+        over). What telemetry and the access log read (model, stream, path, request id)
+        stays."""
         self.body = b""
         self._doc = {}
+        self._blocks = None
 
     def with_model(self, model: str) -> RequestInfo:
         """A copy that asks for `model` instead, with the body rewritten to match."""
