@@ -190,6 +190,9 @@ class WorkerUnreachable(UpstreamError):
 
     code = "worker_unreachable"
     retryable = True
+    # The connect timed out (no refusal came): the worker may be alive and only slow to
+    # accept, so the breaker counts it rather than taking the worker out at once.
+    timed_out = False
 
 
 class WorkerRefused(UpstreamError):

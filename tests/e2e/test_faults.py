@@ -547,3 +547,19 @@ async def test_a_reused_connection_failing_before_any_answer_is_not_replayed(gat
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_one_slow_connect_does_not_take_a_healthy_worker_out(fake_worker, gateway, http):
+    """A connect that timed out once (a SYN lost, an accept queue full for a moment) is not
+    a refusal: the worker stays in, so the next request is served at once rather than
+    answered 503 until a probe passes (here: never, the probes are 10 minutes apart)."""
+    w = await fake_worker(models="m")
+    gw = await gateway([w], timeouts=QUICK, probe=ONCE)
+    await w.blackhole()
+    status, _, body = await call(http, gw)
+    assert status == 503 and "connect timed out" in error_of(body)["message"]
+    await w.resume()
+    status, _, body = await call(http, gw)
+    assert status == 200, body
+    assert gw.app[REGISTRY].get(w.url).available
+    await settled(gw, w)

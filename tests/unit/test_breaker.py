@@ -42,6 +42,7 @@ def finish(breaker, dispatcher, worker, outcome=dispatch.OK, status=200):
     ("outcome", "status", "counts"),
     [
         (dispatch.UNREACHABLE, 0, True),
+        (dispatch.CONNECT_TIMEOUT, 0, True),  # counts, though it does not take the worker out
         (dispatch.BROKEN, 200, True),
         (dispatch.TIMEOUT, 0, True),
         (dispatch.OK, 500, True),

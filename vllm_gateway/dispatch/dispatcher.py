@@ -77,7 +77,8 @@ RETRY_STATUSES = frozenset({429, 503})
 # Outcomes a lease ends with (also the values of the telemetry label and access log field).
 OK = "ok"  # the worker answered and the answer reached the client (any status)
 CLIENT_GONE = "client_gone"  # the client left first; its request on the worker was cancelled
-UNREACHABLE = "unreachable"  # the worker could not be reached
+UNREACHABLE = "unreachable"  # the worker could not be reached (refused, no route)
+CONNECT_TIMEOUT = "connect_timeout"  # the connect timed out: no byte reached the worker
 REFUSED = "refused"  # the worker answered 503/429 and the request went to another one
 TIMEOUT = "timeout"  # a relay timeout expired
 BROKEN = "broken"  # the worker failed mid-answer (reset, malformed framing)
@@ -167,8 +168,8 @@ class _LeaseContext:
 
 def unreachable_answer(lease: Lease, exc: WorkerUnreachable) -> NoWorkerAvailable:
     """What the client gets when the last worker tried could not be reached: a 503 with
-    `Retry-After` (SDKs retry it; a 502 they do not), for that worker is out now (the
-    breaker took it out on release) and the next request may find another or wait."""
+    `Retry-After` (SDKs retry it; a 502 they do not): a refusing worker is out now (the
+    breaker took it out on release), and the next request may find another or wait."""
     return NoWorkerAvailable(
         f"No worker serving `{lease.info.model}` could be reached "
         f"({lease.attempt} tried; last: {exc.message})."
@@ -180,7 +181,7 @@ def outcome_of(exc: BaseException) -> str:
     if isinstance(exc, asyncio.CancelledError | ConnectionResetError):
         return CLIENT_GONE
     if isinstance(exc, WorkerUnreachable):
-        return UNREACHABLE
+        return CONNECT_TIMEOUT if exc.timed_out else UNREACHABLE
     if isinstance(exc, WorkerRefused):
         return REFUSED
     if isinstance(exc, TimeoutError):
@@ -393,7 +394,7 @@ class Dispatcher:
             worker.completed += 1
         elif outcome != CLIENT_GONE:
             worker.failed += 1
-        if outcome == UNREACHABLE:
+        if outcome in (UNREACHABLE, CONNECT_TIMEOUT):
             self.buckets.refund(worker)
         else:
             completed = outcome == OK and 200 <= lease.status < 300

@@ -19,6 +19,9 @@ the worker out at once, whatever the counts: its state becomes unhealthy, and th
 passing probe makes it ready again. A refused connection is not an opinion about a
 request: the worker's process is gone or not listening, and every request sent there in
 the next probe interval would fail the same way (today: be retried, or answered 503).
+A connect that timed out is not a refusal (a SYN lost, an accept queue full for a moment:
+the worker may well be alive), so it only counts as a failure: one slow connect per worker
+must not empty a healthy fleet until the next probes.
 
 The breaker never opens the circuit of the last available worker of one of its models:
 with nowhere else to send those requests, an open circuit would only turn the worker's
@@ -42,7 +45,9 @@ from vllm_gateway.workers import Circuit, Worker, WorkerRegistry, WorkerState
 
 # Lease outcomes that count against the worker. client_gone and ok do not (ok with a 5xx
 # status does, below).
-_FAILED_OUTCOMES = frozenset({dispatch.UNREACHABLE, dispatch.BROKEN, dispatch.TIMEOUT})
+_FAILED_OUTCOMES = frozenset(
+    {dispatch.UNREACHABLE, dispatch.CONNECT_TIMEOUT, dispatch.BROKEN, dispatch.TIMEOUT}
+)
 
 
 class CircuitBreaker:

@@ -163,10 +163,12 @@ class Relay:
             conn = await self.pool.acquire(url)
         except TimeoutError:
             # The TCP handshake never completed: no byte reached the worker.
-            raise WorkerUnreachable(
+            unreachable = WorkerUnreachable(
                 "The worker serving this request could not be reached: "
                 f"connect timed out after {t.connect:g} s."
-            ) from None
+            )
+            unreachable.timed_out = True
+            raise unreachable from None
         except OSError as e:
             # The client sees what happened, not the fleet's addresses (the log lines of
             # the request are bound to its worker, so they keep the URL).
