@@ -190,3 +190,43 @@ async def test_serve_processes_shares_one_port(fake_worker, http):
             proc.kill()
             raise
     assert code == 0, proc.stderr.read().decode() if proc.stderr else ""
+
+
+async def test_a_registration_refused_to_a_remote_peer_is_refused_by_every_process(
+    fake_worker, http, monkeypatch
+):
+    """No registration token, listening beyond loopback: a non-loopback client is refused
+    403 by the process it reached, and its siblings (which get the request re-sent on
+    their unix sockets) must not register the worker either."""
+    from vllm_gateway.control import access
+
+    worker = await fake_worker(models="m")
+    config = GatewayConfig(host="0.0.0.0", port=0, probe=FAST_PROBES)
+    with tempfile.TemporaryDirectory() as control_dir:
+        servers = []
+        for i in range(2):
+            app = create_app(config, process_index=i, process_count=2, control_dir=control_dir)
+            servers.append(
+                await start_server(app, unix_path=socket_path(control_dir, i), shutdown_timeout=1)
+            )
+        try:
+            # Every TCP peer counts as remote here (the test reaches 127.0.0.1 only).
+            monkeypatch.setattr(access, "is_loopback", lambda address: False)
+            async with http.post(
+                servers[0].url + "/register_worker", json={"worker_name": worker.url}
+            ) as r:
+                assert r.status == 403, await r.text()
+            for server in servers:
+                assert worker.url not in {w.url for w in server.app[REGISTRY]}
+            # A client cannot claim a loopback origin with a header of its own.
+            async with http.post(
+                servers[0].url + "/register_worker",
+                json={"worker_name": worker.url},
+                headers={"x-gateway-peer": "127.0.0.1", SIBLING_HEADER: "1"},
+            ) as r:
+                assert r.status == 403, await r.text()
+            for server in servers:
+                assert worker.url not in {w.url for w in server.app[REGISTRY]}
+        finally:
+            for s in servers:
+                await s.stop()

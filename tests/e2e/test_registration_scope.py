@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from tests.conftest import STEADY_PROBES
 from vllm_gateway.app import REGISTRATION, REGISTRY, create_app
 from vllm_gateway.config.gateway import AdminConfig, GatewayConfig, RegistrationConfig
+from vllm_gateway.control.access import LOCAL_PEER_HEADER
 from vllm_gateway.control.registration import loopback_only
 from vllm_gateway.errors import Forbidden
 from vllm_gateway.http.server import start_server
@@ -104,8 +105,8 @@ async def test_without_a_token_beyond_loopback_only_loopback_clients_register(lo
 async def _check_peers(registration) -> None:
     assert registration.loopback_only
 
-    def request(peer: str, sock: socket.socket | None = None):
-        return _Request(peer, _Transport(sock))
+    def request(peer: str, sock: socket.socket | None = None, headers=None):
+        return _Request(peer, _Transport(sock), headers)
 
     with pytest.raises(Forbidden):
         registration._authorize(request("192.168.1.20"))
@@ -117,7 +118,11 @@ async def _check_peers(registration) -> None:
     # A sibling process re-sending the request on its unix socket (no peer address).
     with socket.socket(socket.AF_UNIX) as unix:
         registration._authorize(request("", unix))
-    assert registration.refused == 2
+        registration._authorize(request("", unix, {LOCAL_PEER_HEADER: "1"}))
+        # ... a request its own process refused (a remote client's) is refused here too.
+        with pytest.raises(Forbidden):
+            registration._authorize(request("", unix, {LOCAL_PEER_HEADER: "0"}))
+    assert registration.refused == 3
 
 
 class _Request:
@@ -126,9 +131,12 @@ class _Request:
     method = "POST"
     path = "/register_worker"
 
-    def __init__(self, peer: str, transport: _Transport) -> None:
+    def __init__(
+        self, peer: str, transport: _Transport, headers: dict[str, str] | None = None
+    ) -> None:
         self.remote = peer or None
         self.transport = transport
+        self.headers = headers or {}
 
 
 class _Transport:

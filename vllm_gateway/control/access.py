@@ -154,13 +154,21 @@ def is_loopback(address: str | None) -> bool:
     return ip.is_loopback
 
 
+# Set by a process re-sending a client's control request to its siblings (siblings.py):
+# "1" if that client was a local peer, "0" if not. Read only on a unix socket.
+LOCAL_PEER_HEADER = "X-Gateway-Local-Peer"
+
+
 def local_peer(request: web.Request) -> bool:
     """Did `request` come from this host: a loopback peer, or a unix socket (only the
-    gateway's own processes reach those: siblings.py re-sends control requests on them)?"""
+    gateway's own processes reach those: siblings.py re-sends control requests on them)?
+
+    A re-sent request is judged by the client of the process that re-sent it: otherwise a
+    remote client refused by one process would be served by all its siblings."""
     transport = request.transport
     sock = transport.get_extra_info("socket") if transport is not None else None
     if sock is not None and sock.family == socket.AF_UNIX:
-        return True
+        return request.headers.get(LOCAL_PEER_HEADER, "1") == "1"
     return is_loopback(request.remote)
 
 

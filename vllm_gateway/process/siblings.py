@@ -30,6 +30,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from vllm_gateway.control.access import LOCAL_PEER_HEADER, local_peer
 from vllm_gateway.log import get_logger
 
 log = get_logger("vllm_gateway.siblings")
@@ -54,7 +55,18 @@ SUMMED_FIELDS = ("inflight", "completed", "failed")
 MERGED_LISTS = frozenset({"/list_workers", "/admin/workers"})
 # Longest wait for a sibling to handle a control request (a drain may wait for idle).
 SIBLING_TIMEOUT_SECONDS = 600.0
-_DROPPED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
+# Not re-sent as the client sent them: framing, and what only the gateway may say.
+_DROPPED = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        SIBLING_HEADER.lower(),
+        LOCAL_PEER_HEADER.lower(),
+    }
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -166,6 +178,8 @@ class Siblings:
         """Re-send `request` (with `body`) to every sibling; their answers, None if failed."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROPPED}
         headers[SIBLING_HEADER] = str(self.index)
+        # The sibling judges the client's address as this process did (access.local_peer).
+        headers[LOCAL_PEER_HEADER] = "1" if local_peer(request) else "0"
         return await asyncio.gather(
             *(self._send(s, request.method, request.path_qs, headers, body) for s in self._sessions)
         )
