@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import wait_until
 from vllm_gateway.app import GATEWAY, REGISTRY, SOURCES
-from vllm_gateway.config.gateway import DiscoveryConfig, DnsName, GatewayConfig
+from vllm_gateway.config.gateway import DiscoveryConfig, DnsName, GatewayConfig, ReloadConfig
 from vllm_gateway.fleet.discovery.dns import DnsDiscovery, worker_url
 from vllm_gateway.fleet.health import ProbeResult
 from vllm_gateway.fleet.operations import Fleet
@@ -143,8 +143,12 @@ async def test_localhost_resolves_to_a_worker_that_serves(fake_worker, gateway, 
     answer = await client(gw).completions.create(model="m", prompt="x", max_tokens=1)
     assert answer.choices[0].text == " w0"
 
-    # A reload without the name drains the worker, then removes it.
-    changes = apply_config(gw.app, replace(gw.app[GATEWAY].config, discovery=DiscoveryConfig()))
+    # A reload without the name (its only source of workers: said to be meant) drains the
+    # worker, then removes it.
+    meant = ReloadConfig(allow_no_workers=True)
+    changes = apply_config(
+        gw.app, replace(gw.app[GATEWAY].config, discovery=DiscoveryConfig(), reload=meant)
+    )
     assert changes == ["discovery settings changed"]
     await wait_until(lambda: registry.get(w.url) is None, timeout=5)
     (dns,) = (s for s in gw.app[SOURCES] if isinstance(s, DnsDiscovery))

@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import wait_until
 from tests.support.fake_kube import FakeKubeApi, endpoint
 from vllm_gateway.app import GATEWAY, REGISTRY, SOURCES
-from vllm_gateway.config.gateway import DiscoveryConfig, KubernetesService
+from vllm_gateway.config.gateway import DiscoveryConfig, KubernetesService, ReloadConfig
 from vllm_gateway.fleet.discovery import kube_api
 from vllm_gateway.fleet.discovery.kube_api import Timing
 from vllm_gateway.fleet.discovery.kubernetes import KubernetesDiscovery
@@ -230,9 +230,11 @@ async def test_a_gateway_serves_the_services_endpoints(api, tmp_path, fake_worke
     answer = await client(gw).completions.create(model="m", prompt="x", max_tokens=1)
     assert answer.choices[0].text == " w0"
 
-    # A reload without the Service retires its workers (idle: removed at once).
+    # A reload without the Service retires its workers (idle: removed at once). It was the
+    # only source of workers, so the file says that is meant.
     config = gw.app[GATEWAY].config
-    new = dataclasses.replace(config, discovery=DiscoveryConfig())
+    meant = ReloadConfig(allow_no_workers=True)
+    new = dataclasses.replace(config, discovery=DiscoveryConfig(), reload=meant)
     assert apply_config(gw.app, new) == ["kubernetes discovery settings changed"]
     assert registry.get(w.url) is None
     (k8s,) = (s for s in gw.app[SOURCES] if isinstance(s, KubernetesDiscovery))

@@ -19,7 +19,10 @@ from vllm_gateway.config.gateway import (
     AdminConfig,
     ApiKeyConfig,
     AuthConfig,
+    DiscoveryConfig,
+    DnsName,
     GatewayConfig,
+    KubernetesService,
     WorkerSpec,
 )
 from vllm_gateway.config.load import load_config
@@ -211,6 +214,20 @@ def test_an_empty_config_on_reload_is_refused():
     problems = check_reload(FULL, GatewayConfig())
     assert len(problems) == 3
     assert [p.split(":")[0] for p in problems] == ["workers", "auth.keys", "admin.token"]
+
+
+def test_an_empty_config_on_reload_is_refused_when_discovery_found_the_workers():
+    """No static worker, every worker discovered (DNS, Kubernetes): an emptied file would
+    stop discovery and retire the whole fleet all the same."""
+    for discovery in (
+        DiscoveryConfig(dns=(DnsName(url="http://vllm.svc:8000"),)),
+        DiscoveryConfig(kubernetes=(KubernetesService(service="vllm"),)),
+    ):
+        problems = check_reload(GatewayConfig(discovery=discovery), GatewayConfig())
+        assert [p.split(":")[0] for p in problems] == ["workers"], problems
+        assert "reload.allow_no_workers" in problems[0]
+        # Keeping one source of workers (or saying it is meant) is a reload like any other.
+        assert check_reload(GatewayConfig(discovery=discovery), FULL) == []
 
 
 def test_a_reload_that_means_it_may_empty_the_fleet(tmp_path):

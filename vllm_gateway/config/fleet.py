@@ -58,7 +58,8 @@ class ReloadConfig:
 
     allow_no_workers: bool = setting(
         False,
-        "Let a reload remove the last of the config file's workers (an empty `workers`).",
+        "Let a reload remove the last of the config file's workers and discovery tables "
+        "(no `workers`, no `[[discovery.*]]`).",
     )
     allow_no_keys: bool = setting(
         False, "Let a reload remove the last client API key (the API opens to everyone)."

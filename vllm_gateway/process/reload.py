@@ -8,8 +8,9 @@ discovered workers stay with their owners), then dispatch, retry, timeouts, prob
 scrapes, log, breaker, aliases, client keys, admin, autoscale and discovery. In-flight
 requests are never touched: the new settings apply to requests dispatched from then on.
 The settings in `RESTART_ONLY` are read at start only; a reload that changes them says so.
-First of all, a reload that would remove the last static worker, the last client key or the
-admin token is refused unless the new file's `[reload]` section allows it (`check_reload`).
+First of all, a reload that would remove the last static worker and discovery table, the
+last client key or the admin token is refused unless the new file's `[reload]` section
+allows it (`check_reload`).
 """
 
 from __future__ import annotations
@@ -67,12 +68,13 @@ def apply_config(app: web.Application, new: GatewayConfig) -> list[str]:
 
 def check_reload(old: GatewayConfig, new: GatewayConfig) -> list[str]:
     """What `new` would take away that it does not say it means to (the `[reload]` section):
-    the last static worker, the last client key, the admin API. A truncated file is valid
-    TOML, and applied it would empty the fleet and open the API."""
+    every static worker and discovery table, the last client key, the admin API. A
+    truncated file is valid TOML, and applied it would empty the fleet and open the API."""
     problems = []
-    if old.workers and not new.workers and not new.reload.allow_no_workers:
+    if _worker_sources(old) and not _worker_sources(new) and not new.reload.allow_no_workers:
         problems.append(
-            f"workers: the new configuration lists none of the {len(old.workers)} workers; "
+            "workers: the new configuration lists no worker and no discovery table, where "
+            f"the running one has {_worker_sources(old)}; "
             "set reload.allow_no_workers = true if that is meant"
         )
     if old.auth.keys and not new.auth.keys and not new.reload.allow_no_keys:
@@ -86,6 +88,13 @@ def check_reload(old: GatewayConfig, new: GatewayConfig) -> list[str]:
             "set reload.allow_no_admin = true if that is meant"
         )
     return problems
+
+
+def _worker_sources(config: GatewayConfig) -> int:
+    """The config file's sources of workers: static workers and discovery tables (each
+    discovered fleet leaves too when its table goes)."""
+    discovery = config.discovery
+    return len(config.workers) + len(discovery.dns) + len(discovery.kubernetes)
 
 
 def _get(config: object, dotted: str) -> object:
