@@ -151,3 +151,41 @@ def test_check_config_masks_the_control_tokens():
     }
     text = effective_toml(load_config(None, env=env))
     assert "s3cr3t" not in text and text.count('token = "***"') == 2
+
+
+async def test_an_undrain_during_a_draining_remove_keeps_the_worker(fake_worker, gateway, http):
+    """remove (drain, wait) then undrain while a stream is in flight: the later word wins,
+    so when the stream ends the worker stays (the remove's wait must not remove it)."""
+    w = await fake_worker(models="m")
+    gw = await gateway([], admin=ADMIN, probe=STEADY_PROBES)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with AdminClient(gw.url, TOKEN) as admin:
+        await admin.add(w.url)
+        body = {"model": "m", "prompt": "x", "max_tokens": 60, "stream": True}  # ~0.6 s
+        async with http.post(gw.url + "/v1/completions", json=body) as stream:
+            assert stream.status == 200
+            await stream.content.readline()
+            removing = asyncio.create_task(
+                http.post(
+                    gw.url + "/admin/workers/remove",
+                    json={"url": w.url, "drain": True, "timeout": 10},
+                    headers=auth,
+                )
+            )
+            await asyncio.sleep(0.1)
+            assert gw.app[REGISTRY].get(w.url).state.value == "draining"
+            assert (await admin.undrain(w.url))["changed"] is True
+            assert (await stream.read()).rstrip().endswith(b"data: [DONE]")
+        async with await asyncio.wait_for(removing, 5) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["removed"] is False
+        worker = gw.app[REGISTRY].get(w.url)
+        assert worker is not None and worker.state.value == "ready"
+        # Without the undrain, the same remove waits for the stream, then says it removed.
+        async with http.post(gw.url + "/v1/completions", json=body) as stream:
+            await stream.content.readline()
+            removing = asyncio.create_task(admin.remove(w.url, drain=True, timeout=10))
+            await stream.read()
+        answer = await asyncio.wait_for(removing, 5)
+        assert answer["removed"] is True and answer["idle"] is True
+        assert gw.app[REGISTRY].get(w.url) is None

@@ -148,6 +148,12 @@ class AdminApi:
         idle = True
         if get_bool(doc, "drain", False) and not self.fleet.retire(worker, REMOVED):
             idle = await self.fleet.wait_idle(worker, self._timeout(doc))  # removed when idle
+            if not self.fleet.retiring_worker(worker):
+                # Gone at its last request's end (its URL may have joined again since, as
+                # another worker), or an undrain called the retirement off: the later word.
+                removed = self.registry.get(worker.url) is not worker
+                doc = {"removed": removed, "idle": idle, "worker": self.describe(worker)}
+                return json_response(doc)
         self.fleet.remove(worker.url, REMOVED)  # at once, or now that the wait timed out
         return json_response({"removed": True, "idle": idle, "worker": self.describe(worker)})
 

@@ -94,6 +94,10 @@ class Fleet:
         self.retiring.setdefault(worker.url, reason)
         return False
 
+    def retiring_worker(self, worker: Worker) -> bool:
+        """Is this very worker (not a later one with its URL) in the registry, retiring?"""
+        return worker.url in self.retiring and self.registry.get(worker.url) is worker
+
     def unretire(self, worker: Worker, reason: str) -> bool:
         """Call off a retirement under way: back through joining, circuit reset. True if
         the worker was retiring; the caller probes it (or leaves that to the next round)."""
