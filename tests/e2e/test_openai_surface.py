@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from tests.conftest import wait_until
+from tests.support.scripted_worker import ScriptedWorker
 from vllm_gateway.app import REGISTRY
 from vllm_gateway.config.gateway import ApiKeyConfig, AuthConfig, ClientConfig, CorsConfig
 from vllm_gateway.http.keys import hash_key
@@ -152,3 +153,35 @@ async def test_named_origins_are_echoed_and_others_refused(fake_worker, gateway,
     async with http.options(gw.url + "/v1/completions", headers=preflight) as r:
         assert r.status == 400
         assert "origin 'https://evil.example'" in (await r.json())["error"]["message"]
+
+
+@pytest.mark.parametrize("front_path", [True, False])
+async def test_a_workers_own_cors_headers_never_reach_the_client(gateway, client, front_path):
+    """The gateway answers CORS by its [cors] rules alone: a worker that adds its own
+    Access-Control-* headers (any origin, say) neither widens them nor doubles them."""
+
+    async def script(t, body):
+        t.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"access-control-allow-origin: *\r\naccess-control-allow-credentials: true\r\n"
+            b"access-control-expose-headers: x-secret\r\ncontent-length: 2\r\n\r\n{}"
+        )
+
+    worker = await ScriptedWorker(script).start()
+    try:
+        gw = await gateway(
+            [worker.url],
+            cors=CorsConfig(allowed_origins=(PAGE,)),
+            client=ClientConfig(front_path=front_path),
+        )
+        await wait_until(lambda: bool(gw.app[REGISTRY].ready_models()))
+        evil = client(gw, default_headers={"Origin": "https://evil.example"})
+        answer = await evil.completions.with_raw_response.create(model="m", prompt="x")
+        assert answer.http_response.status_code == 200
+        assert not [n for n in answer.headers if n.lower().startswith("access-control-")]
+        page = client(gw, default_headers={"Origin": PAGE})
+        answer = await page.completions.with_raw_response.create(model="m", prompt="x")
+        assert answer.headers.get_list("access-control-allow-origin") == [PAGE]
+        assert "access-control-expose-headers" not in answer.headers
+    finally:
+        await worker.stop()

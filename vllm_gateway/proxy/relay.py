@@ -68,9 +68,23 @@ HOP_BY_HOP = frozenset(
     )
 )
 _HOP_BY_HOP_B = frozenset(h.encode() for h in HOP_BY_HOP)
-# Worker headers not passed to the client: hop-by-hop, and the request id (the exchange
-# adds the gateway's own).
-_NOT_RETURNED = _HOP_BY_HOP_B | {b"x-request-id"}
+# Worker headers not passed to the client: hop-by-hop, the request id (the exchange adds
+# the gateway's own), and CORS: the gateway answers it by its own [cors] rules (http/cors.py);
+# a worker's `Access-Control-Allow-Origin: *` would let any page read what [cors] refuses,
+# or double the gateway's header (a browser refuses two).
+_CORS_ANSWER = frozenset(
+    b"access-control-" + name
+    for name in (
+        b"allow-origin",
+        b"allow-credentials",
+        b"allow-methods",
+        b"allow-headers",
+        b"allow-private-network",
+        b"expose-headers",
+        b"max-age",
+    )
+)
+_NOT_RETURNED = _HOP_BY_HOP_B | {b"x-request-id"} | _CORS_ANSWER
 # Request headers describing what the gateway replaced: the request id (ours goes out), the
 # body's coding (aiohttp's server decodes a gzip/deflate body; it goes out decoded), and an
 # `Expect: 100-continue` the gateway already met (it has the whole body; a worker's
