@@ -9,10 +9,10 @@ import openai
 import orjson
 import pytest
 
-from tests.conftest import STEADY_PROBES
-from vllm_gateway.app import REGISTRY
+from tests.conftest import STEADY_PROBES, wait_until
+from vllm_gateway.app import DISPATCHER, REGISTRY
 from vllm_gateway.cli.admin_client import AdminClient, AdminError
-from vllm_gateway.config.gateway import AdminConfig
+from vllm_gateway.config.gateway import AdminConfig, WorkerSpec
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -189,3 +189,34 @@ async def test_an_undrain_during_a_draining_remove_keeps_the_worker(fake_worker,
         answer = await asyncio.wait_for(removing, 5)
         assert answer["removed"] is True and answer["idle"] is True
         assert gw.app[REGISTRY].get(w.url) is None
+
+
+async def test_a_split_request_waiting_for_a_drained_version_is_split_again(
+    fake_worker, gateway, client
+):
+    """A request the split sent to v1 waits (v1 is full); v1's last worker drains, as in a
+    rollout: the request is split again to v2, where workers are, instead of a 503."""
+    v1 = await fake_worker(models="llama-v1", tpot_ms=40, ttft_ms=1)
+    v2 = await fake_worker(models="llama-v2", tpot_ms=1, ttft_ms=1)
+    gw = await gateway(
+        [WorkerSpec(url=v1.url, max_num_seqs=1), v2],
+        admin=ADMIN,
+        aliases={"llama": {"llama-v1": 1}},
+        probe=STEADY_PROBES,
+    )
+    c = client(gw)
+    registry = gw.app[REGISTRY]
+    await wait_until(lambda: registry.get(v1.url).available and registry.get(v2.url).available)
+    async with AdminClient(gw.url, TOKEN) as admin:
+        first = asyncio.create_task(
+            c.completions.create(model="llama", prompt="x", max_tokens=30)  # v1's one slot
+        )
+        await wait_until(lambda: registry.get(v1.url).inflight == 1)
+        waiting = asyncio.create_task(c.completions.create(model="llama", prompt="x", max_tokens=1))
+        await wait_until(lambda: gw.app[DISPATCHER].admission.waiting_for("llama-v1") >= 1)
+        await admin.set_alias("llama", {"llama-v1": 1, "llama-v2": 1})
+        await admin.drain(v1.url)
+        answer = await asyncio.wait_for(waiting, 10)
+        assert answer.model == "llama-v2"
+        assert models_asked(v2) == Counter({"llama-v2": 1})
+        assert (await asyncio.wait_for(first, 10)).model == "llama-v1"  # finished where it ran

@@ -38,6 +38,7 @@ from vllm_gateway.errors import (
     ExpectationFailed,
     GatewayError,
     ModelNotFound,
+    NoWorkerAvailable,
     PathRefused,
     RequestTimeout,
     RouteNotFound,
@@ -263,20 +264,33 @@ class Routes:
             info = parse_request(ex.path_qs, body, request_id, ex.headers)
             del body
             bind_request(request_id=request_id, model=info.model)
-            info = self.aliases.resolve(info)
+            asked = info
+            info = self.aliases.resolve(asked)
+            resplit = info is not asked  # an alias's request may be split again, once
             tried: list[Worker] = []
             while True:
-                async with self.dispatcher.lease(info, exclude=tried) as lease:
-                    bind_request(worker=lease.worker.url)
-                    try:
-                        return await self.relay.forward(ex, lease)
-                    except UpstreamError as e:
-                        # The retry rule: dispatch.py's docstring.
-                        if not (e.retryable and lease.can_retry):
-                            raise
-                        lease.outcome = outcome_of(e)
-                        tried.append(lease.worker)
-                        failure = e
+                try:
+                    async with self.dispatcher.lease(info, exclude=tried) as lease:
+                        bind_request(worker=lease.worker.url)
+                        try:
+                            return await self.relay.forward(ex, lease)
+                        except UpstreamError as e:
+                            # The retry rule: dispatch/dispatcher.py's docstring.
+                            if not (e.retryable and lease.can_retry):
+                                raise
+                            lease.outcome = outcome_of(e)
+                            tried.append(lease.worker)
+                            failure = e
+                except NoWorkerAvailable:
+                    # The version it was split to has no worker left (its last one drained
+                    # while the request waited, as in a rollout; none reached): split again,
+                    # once, now that the split leads where workers are.
+                    again = self.aliases.resolve(asked) if resplit else info
+                    resplit = False
+                    if again.model == info.model:
+                        raise
+                    info, tried = again, []
+                    continue
                 await self.dispatcher.before_retry(lease, failure)
         finally:
             self.active.discard(task)
