@@ -2,16 +2,19 @@
 
     index.record(worker, blocks)       after a request for `blocks` was sent to `worker`
     index.deepest(blocks, candidates)  the candidates holding the longest prefix of `blocks`
+    index.holds(h, worker)             whether `worker` holds hash `h` (e.g. a preamble's)
     index.forget_missing(present)      drop the workers that left the registry
 
-Per worker, the block hashes sent there (prefix_hash.py) in least-recently-sent order,
+Per worker, the block hashes sent there (prefix_hash.py), with the preamble's CRC-32 as one
+more entry, in least-recently-sent order,
 bounded like a cache: past `capacity` blocks the least recently sent is evicted, as vLLM
 evicts the least recently used free block. `capacity` is the worker's KV cache in our
 blocks when it reports one (`vllm:cache_config_info`: num_gpu_blocks x block_size tokens,
-about `BYTES_PER_TOKEN` bytes each), else `DEFAULT_CAPACITY`. Beside it, block hash ->
-the workers holding it, so finding the deepest match is a walk from the request's last
-block back towards its first, one dict lookup per block, stopping at the first block any
-candidate holds: a conversation's next turn finds its history after a block or two.
+counted at `BYTES_PER_TOKEN` bytes each, at most `DEFAULT_CAPACITY`), else
+`DEFAULT_CAPACITY`. Beside it, block hash -> the workers holding it, so finding the
+deepest match is a walk from the request's last block back towards its first, one dict
+lookup per block, stopping at the first block any candidate holds: a conversation's next
+turn finds its history after a block or two.
 
 Pure (no I/O, no clock); a guess, not a mirror: a worker that evicted sooner, or restarted,
 just costs a prefill where a hit was expected.
@@ -25,11 +28,15 @@ from collections.abc import Sequence
 from vllm_gateway.dispatch.prefix_hash import BLOCK_BYTES, PrefixBlocks
 from vllm_gateway.workers import Worker
 
-# Bytes of prompt text per token, to size the index from a worker's KV cache in tokens:
-# about 4 for English with the usual tokenizers.
-BYTES_PER_TOKEN = 4
-# Blocks remembered per worker that reports no cache size: 16384 x 512 bytes = 8 MiB of
-# prompt text, ~2M tokens; larger than most workers' KV cache, so a worker that does not
+# Bytes of prompt text per token, to size the index from a worker's KV cache in tokens.
+# English with the usual tokenizers is ~4, chat JSON adds its keys and quotes, and code,
+# numbers or identifiers run to 8-12. Counted high on purpose, the errors are unequal:
+# remembering a conversation the worker has since evicted sends its next turn there, to
+# pay the prefill it would pay anywhere; forgetting one the worker still holds sends the
+# turn elsewhere to prefill its whole history again (and makes replicas disagree).
+BYTES_PER_TOKEN = 16
+# Blocks remembered per worker that reports no cache size: 16384 x 1 KiB = 16 MiB of
+# prompt text, 1-4M tokens; larger than most workers' KV cache, so a worker that does not
 # report its size is credited with what it was sent recently, rather than forgotten early.
 DEFAULT_CAPACITY = 16384
 
@@ -40,7 +47,9 @@ def capacity_of(worker: Worker) -> int:
     tokens = stats.cache_tokens if stats is not None else None
     if not tokens:
         return DEFAULT_CAPACITY
-    return max(1, int(tokens * BYTES_PER_TOKEN // BLOCK_BYTES))
+    # Never more than a worker that does not report: the gateway's memory stays bounded
+    # (a few hundred bytes per block remembered) whatever a worker claims.
+    return max(1, min(DEFAULT_CAPACITY, int(tokens * BYTES_PER_TOKEN // BLOCK_BYTES)))
 
 
 class PrefixIndex:
@@ -65,7 +74,10 @@ class PrefixIndex:
             sent = self._sent[worker] = OrderedDict()
         where = self._where
         touch = sent.move_to_end
-        for h in blocks.blocks:
+        hashes = blocks.blocks
+        if blocks.preamble:  # its own entry, so a new conversation finds who holds it
+            hashes = [blocks.preamble, *hashes]
+        for h in hashes:
             if h in sent:
                 touch(h)
             else:
@@ -78,6 +90,11 @@ class PrefixIndex:
         excess = len(sent) - capacity_of(worker)
         for _ in range(excess):
             self._drop(worker, sent.popitem(last=False)[0])
+
+    def holds(self, h: int, worker: Worker) -> bool:
+        """Whether `worker` was sent block (or preamble) hash `h` and holds it still."""
+        holders = self._where.get(h)
+        return holders is not None and worker in holders
 
     def deepest(
         self, hashes: Sequence[int], candidates: Sequence[Worker]
