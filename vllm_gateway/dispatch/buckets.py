@@ -35,8 +35,9 @@ also before anything was learned. The capacity is, first found first:
    shows the worker running all it was given with no queue (slow start), until a queue
    teaches the capacity.
 
-Probing (2 and 3) happens only while it is needed: when a request found no room and
-waited since the last scrape (`note_demand`). A fleet with room to spare is never
+Probing (2 and 3) happens only while it is needed: when a request found no room on the
+worker since the last scrape (`note_demand`), and waited or went to another worker (away
+from the one holding its prompt's prefix, say). A fleet with room to spare is never
 overshot. Without a fresh scrape there is no evidence either way and no
    probing limit: the gate is open (the policies fall back to in-flight counts).
 

@@ -10,9 +10,9 @@ no error path can forget it. The pick (docs/dispatch.md):
 1. the available workers (`Worker.available`) serving the model, not already tried;
 2. for a load-aware policy, those of them holding a token (buckets.py);
 3. the model's policy chooses one. When step 2 leaves none, or requests for the model are
-   already waiting, the request joins the admission queue (admission.py) and is bound to
-   a worker when one has room: on a release, a scrape, or a registry change. Nothing
-   waits, no task or timer is made, when a worker has a token.
+   already waiting, the request joins the admission queue (admission.py), bound to a
+   worker when one has room (a release, a scrape, a registry change); nothing waits, no
+   task or timer is made, when a worker has a token. Workers step 2 left out are probed.
 
 When step 1 leaves none: a model no worker serves is a 404, a known one (its workers are
 all out) a 503 with `Retry-After`; a model in `scales_from_zero` waits in the admission
@@ -38,9 +38,8 @@ The retry rule, stated once (docs/reliability.md shows the tests that hold it to
   next passing probe brings it back), so the next pick does not try it again. When no
   attempt is left after an unreachable one, the client gets 503 `no_worker_available`
   with `Retry-After` (`unreachable_answer`), never a 502: SDKs retry a 503.
-- Between attempts the lease is released and the request waits `retry.backoff` seconds,
-  doubling per attempt up to `retry.backoff_max`, drawn between half and all of it.
-- Each retry logs one WARNING line and counts in `Dispatcher.retries`.
+- Between attempts the lease is released; the wait, `retry.backoff` doubling up to
+  `retry.backoff_max`, drawn in [half, all]; a WARNING and `Dispatcher.retries` per retry.
 """
 
 from __future__ import annotations
@@ -282,9 +281,10 @@ class Dispatcher:
         if policy.load_aware:
             has_token = self.buckets.has_token
             candidates = [w for w in available if has_token(w)]
-            if not candidates:
-                self.buckets.note_demand(available)  # what they run binds: probe for more
-                return None
+            if len(candidates) < len(available):  # what they run binds: probe them for more
+                self.buckets.note_demand(w for w in available if not has_token(w))
+                if not candidates:
+                    return None
         else:
             candidates = available
         worker = policy.select(candidates, info)
