@@ -112,13 +112,14 @@ def test_the_index_finds_the_deepest_holder_among_the_candidates():
 def test_the_index_is_bounded_like_the_workers_cache_and_forgets_removed_workers():
     (a,) = workers(1)
     assert capacity_of(a) == DEFAULT_CAPACITY  # never scraped
-    a.stats = EngineStats(0, 0, None, 0.0, cache_tokens=2048)  # ~8 KiB of text: 8 blocks
+    # 2048 tokens, counted at up to 16 bytes each: 32 KiB of text, 32 blocks.
+    a.stats = EngineStats(0, 0, None, 0.0, cache_tokens=2048)
     index = PrefixIndex()
     for i in range(20):
         p = prefix_blocks({"prompt": f"{i} " + "y" * (KEY_BYTES + 2 * BLOCK_BYTES)})
         assert p is not None
         index.record(a, p)
-    assert index.blocks_of(a) == capacity_of(a) == 8
+    assert index.blocks_of(a) == capacity_of(a) == 32
     index.forget_missing(set())
     assert index.blocks_of(a) == 0 and len(index) == 0
 
@@ -160,21 +161,85 @@ def test_a_shared_system_prompt_does_not_draw_conversations_together():
     assert min(homes.values()) >= 60, homes  # ~100 each
 
 
-def test_conversations_sharing_a_preamble_go_to_as_few_workers_as_its_share_needs():
-    """Four equally popular system prompts over four workers: each on ceil(4 x 1/4 x
-    1.25) = 2 workers, so each worker caches about two of them, not all four."""
+def preambles_placed(p: CacheAware, ws: list[Worker], systems: list[str], count: int,
+                     skip: int = 100, tag: str = "") -> dict[int, Counter]:  # fmt: skip
+    """Where `count` first turns (new conversations), cycling over `systems`, go (after
+    the first `skip`)."""
+    where: dict[int, Counter] = {s: Counter() for s in range(len(systems))}
+    for i in range(count):
+        s = i % len(systems)
+        chosen = p.select(ws, info(chat(f"user {tag}{i} says hi", system=systems[s])))
+        if i >= skip:  # once the shares are known (the first requests see fewer prompts)
+            where[s][chosen] += 1
+    return where
+
+
+@pytest.mark.parametrize(("prompts", "each"), [(4, 1), (2, 2), (1, 4)])
+def test_conversations_sharing_a_preamble_go_to_as_few_workers_as_its_share_needs(prompts, each):
+    """A worker may carry load_bound x its fair share, so a preamble with share s needs
+    ceil(n x s / load_bound) of n workers: 4 equally popular system prompts on 4 workers
+    take one worker each, 2 take two each, one takes all four (its conversations spread
+    by their own keys)."""
+    ws = workers(4)
+    systems = [f"system prompt number {s} " * 60 for s in range(prompts)]
+    where = preambles_placed(policy(), ws, systems, 800)
+    assert all(len(on) == each for on in where.values()), where
+
+
+@pytest.mark.parametrize("fleet", range(8))
+def test_popular_preambles_are_planned_apart_and_alike_in_every_replica(fleet):
+    """Each of 4 equally popular system prompts on its own rendezvous order would share a
+    worker with another 91% of the time (that worker then caches two preambles and their
+    histories, another none); planned together they take one worker each, and a second
+    replica, seeing the same mix, makes the same plan."""
+    ws = [Worker(f"http://10.{fleet}.0.{i}:8000", models=("m",)) for i in range(4)]
+    systems = [f"system prompt {fleet}-{s} " * 60 for s in range(4)]
+    one, other = policy(), policy()
+    placed = [preambles_placed(p, ws, systems, 400, 200) for p in (one, other)]
+    homes = [{s: set(on) for s, on in where.items()} for where in placed]
+    assert homes[0] == homes[1]
+    assert all(len(on) == 1 for on in homes[0].values()), homes[0]
+    assert len(set().union(*homes[0].values())) == 4, homes[0]
+
+
+def test_a_plan_is_made_again_only_when_it_no_longer_fits():
+    """Shares wandering around one boundary do not move a preamble's workers to and fro;
+    a new popular preamble, or a worker that joins, makes a new plan."""
     ws = workers(4)
     p = policy()
     systems = [f"system prompt number {s} " * 60 for s in range(4)]
-    where: dict[int, set[Worker]] = {s: set() for s in range(4)}
-    for i in range(800):
-        s = i % 4
-        chosen = p.select(ws, info(chat(f"user {i} says hi", system=systems[s])))
-        if i >= 100:  # once the shares are known (the first requests see fewer prompts)
-            where[s].add(chosen)
-    assert all(len(on) == 2 for on in where.values()), where
-    # ...and together they still use every worker.
-    assert set().union(*where.values()) == set(ws)
+    preambles_placed(p, ws, systems, 400, 400)
+    plan = p._shares["m"].plan
+    made = plan.builds
+    preambles_placed(p, ws, systems, 400, 400, "again")  # the same mix: the same plan
+    assert plan.builds == made
+    more = [*systems, "a fifth system prompt " * 60]
+    preambles_placed(p, ws, more, 1000, 1000, "fifth")
+    assert plan.builds > made
+    made = plan.builds
+    preambles_placed(p, [*ws, *workers(5)[4:]], more, 400, 400, "joined")
+    assert plan.builds > made
+
+
+def test_a_preambles_overflow_goes_to_its_next_worker_in_every_replica():
+    """Past the load bound on its home, a preamble's new conversations go to the next
+    worker in the preamble's own order, all to the same one, and another replica (its
+    own index and shares) sends them there too: one more worker caches the preamble,
+    not every worker its keys would pick."""
+    ws = workers(4)
+    systems = [f"system prompt number {s} " * 60 for s in range(4)]
+    one, other = policy(), policy()
+    homes = {s: next(iter(on)) for s, on in preambles_placed(one, ws, systems, 200).items()}
+    preambles_placed(other, ws, systems, 200)
+    hot = [homes[0]]
+    for step in range(2):  # its home past the bound, then the worker it overflowed to
+        for w in hot:
+            w.inflight = 40  # far past its fair share
+        spilled: set[Worker] = set()
+        for p in (one, other):
+            spilled |= set(preambles_placed(p, ws, systems, 40, 0, f"new{step}-")[0])
+        assert len(spilled) == 1 and not spilled & set(hot), (step, spilled)
+        hot += spilled
 
 
 def test_a_hot_home_sheds_new_conversations_within_the_bound():

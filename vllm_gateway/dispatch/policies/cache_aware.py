@@ -17,23 +17,27 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    (prefix_hash.py: the messages up to the first user message), so every turn of a
    conversation, and every replica of the gateway, gets the same home without sharing
    any state. The preamble (the system prompt) is shared by many conversations: they go
-   to the first `ceil(workers x its share of recent requests x load_bound)` workers in
-   the preamble's own rendezvous order (all of them for a preamble with most of the
-   traffic), so each worker caches few preambles and has room for histories, while no
-   preamble draws more conversations onto a worker than its traffic warrants. Past the
-   bound, or outside those workers when all of them are past it, a hot worker sheds new
-   conversations to the next in their order.
+   to the first `ceil(workers x its share of recent requests / load_bound)` workers in
+   the preamble's own rendezvous order (each worker may carry `load_bound` times its fair
+   share; all of them for a preamble with most of the traffic), so each worker caches
+   few preambles and has room for histories. When all of those are past the bound, the
+   preamble's next worker in its own order that has room takes the conversation: its
+   overflow lands where its earlier overflow went, in every replica alike, so one more
+   worker pays the preamble's prefill, not every worker a key would pick. A worker the
+   index says holds the preamble gets the history's looser bound: a conversation sent
+   away from it prefills the preamble again, as a moved history would be.
 
 The load bound, per worker: `load + 1 <= ceil(fair + (load_bound - 1) x max(fair,
 capacity))`, where `fair` is its share of the total load (this request included) in
 proportion to its speed, pace x weight (pace: requests finished per second per running
 request, learned; a worker without one yet counts with the best pace), `capacity` what
-it runs at once (buckets.py; 0 while unknown) and load the load view (load.py). Near
-capacity this is the classic bound (`load_bound` x fair); lightly loaded, a worker may
-run a quarter of its capacity (for the default 1.25) above an even split before it sheds
-new conversations, since a few requests more matter nothing to a worker with room for
-many. A worker twice as fast may hold twice the requests. Rendezvous weighs by `weight`
-only (pace differs slightly between replicas; the order must not).
+it runs at once (buckets.py; while unknown, `PROBE_START`, what the gate assumes) and
+load the load view (load.py). Near capacity this is the classic bound (`load_bound` x
+fair); lightly loaded, a worker may run a quarter of its capacity (for the default 1.25)
+above an even split before it sheds new conversations, since a few requests more matter
+nothing to a worker with room for many. A worker twice as fast may hold twice the
+requests. Rendezvous weighs by `weight` only (pace differs slightly between replicas;
+the order must not).
 
 Requests without prompt text (token ids) go to the least expected wait, as with `queue`.
 Every request's blocks are recorded on the worker chosen, so its next turn finds them.
@@ -41,7 +45,6 @@ Every request's blocks are recorded on the worker chosen, so its next turn finds
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 import zlib
@@ -49,8 +52,10 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 from vllm_gateway.config.gateway import DispatchConfig
+from vllm_gateway.dispatch.buckets import PROBE_START
 from vllm_gateway.dispatch.load import load
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
+from vllm_gateway.dispatch.preamble_plan import PreamblePlan, wanted
 from vllm_gateway.dispatch.prefix_hash import PrefixBlocks
 from vllm_gateway.dispatch.prefix_index import PrefixIndex
 from vllm_gateway.dispatch.request_info import RequestInfo
@@ -67,14 +72,26 @@ _M64 = (1 << 64) - 1
 SHARE_WINDOW = 1024
 # Preambles whose rendezvous ranks are kept (then the cache starts over).
 MAX_PREAMBLES = 4096
+# Models whose preamble shares are kept (then they start over).
+MAX_MODELS = 1024
 
 
 class _Shares:
-    """Each preamble's share of the last SHARE_WINDOW requests (that had one)."""
+    """Each preamble's share of the last SHARE_WINDOW requests (that had one), and the
+    plan of where the popular ones go (preamble_plan.py): one of each per model."""
 
-    def __init__(self) -> None:
+    def __init__(self, load_bound: float) -> None:
         self._ring: deque[int] = deque()
         self._counts: dict[int, int] = {}
+        self.plan = PreamblePlan(load_bound)
+
+    @property
+    def counts(self) -> dict[int, int]:
+        return self._counts
+
+    @property
+    def samples(self) -> int:
+        return len(self._ring)
 
     def add(self, preamble: int) -> float:
         """Count one more request with `preamble`; return its share now."""
@@ -106,6 +123,31 @@ def rendezvous_rank(key: int, worker: Worker, seed: int) -> float:
     return -math.log(u) / weight
 
 
+class _View:
+    """The candidates of one request with their loads and speeds: who fits one more."""
+
+    __slots__ = ("candidates", "loads", "per_speed", "speeds")
+
+    def __init__(
+        self, candidates: Sequence[Worker], loads: list[float], speeds: list[float], per: float
+    ) -> None:
+        self.candidates = candidates
+        self.loads = loads
+        self.speeds = speeds
+        self.per_speed = per  # the fair load per unit of speed, this request included
+
+    def fits(self, j: int, extra: float) -> bool:
+        """Whether candidate `j` takes one more within its limit,
+        `load + 1 <= ceil(fair + extra x max(fair, capacity))`."""
+        w = self.candidates[j]
+        fair = self.per_speed * self.speeds[j]
+        # Unknown capacity: what the capacity gate itself assumes a worker runs at once.
+        capacity = w.capacity or w.max_num_seqs or PROBE_START
+        return self.loads[j] + 1.0 <= math.ceil(
+            fair + extra * (capacity if capacity > fair else fair)
+        )
+
+
 class CacheAware:
     """History where it is, else the conversation's rendezvous home within the bound."""
 
@@ -118,16 +160,21 @@ class CacheAware:
         self._fallback = QueuePolicy(rng)
         self.index = PrefixIndex()
         self._seeds: dict[str, int] = {}  # worker URL -> its rendezvous seed
-        self._shares = _Shares()
+        self._shares: dict[str, _Shares] = {}  # model -> its preambles' shares
         self._preamble_ranks: dict[int, dict[str, float]] = {}  # preamble -> URL -> rank
 
     def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
         blocks = info.prefix_blocks()
         if blocks is None or not candidates:
             return self._fallback.select(candidates, info)
-        share = self._shares.add(blocks.preamble) if blocks.preamble else 1.0
+        shares = self._shares.get(info.model)
+        if shares is None:
+            if len(self._shares) >= MAX_MODELS:
+                self._shares.clear()
+            shares = self._shares[info.model] = _Shares(self._bound)
+        share = shares.add(blocks.preamble) if blocks.preamble else 1.0
         one = len(candidates) == 1
-        worker = candidates[0] if one else self._choose(candidates, blocks, share)
+        worker = candidates[0] if one else self._choose(candidates, blocks, share, shares)
         self.index.record(worker, blocks)
         return worker
 
@@ -138,8 +185,12 @@ class CacheAware:
         for url in [u for u in self._seeds if u not in urls]:
             del self._seeds[url]
         self._preamble_ranks.clear()
+        for shares in self._shares.values():
+            shares.plan.forget()
 
-    def _choose(self, candidates: Sequence[Worker], blocks: PrefixBlocks, share: float) -> Worker:
+    def _choose(
+        self, candidates: Sequence[Worker], blocks: PrefixBlocks, share: float, shares: _Shares
+    ) -> Worker:
         loads = []
         best_pace = 0.0
         for w in candidates:
@@ -156,52 +207,83 @@ class CacheAware:
         # lightly loaded (a few requests over an even split matter nothing to a worker
         # with room for many; they matter once it nears its capacity). History gets twice
         # the slack.
-        per_speed = (sum(loads) + 1.0) / total_speed
-        n = len(candidates)
+        view = _View(candidates, loads, speeds, (sum(loads) + 1.0) / total_speed)
+        held = HISTORY_SLACK * (self._bound - 1.0)
         holders, _ = self.index.deepest(blocks.blocks, candidates)
         if holders:
-            extra = HISTORY_SLACK * (self._bound - 1.0)
             ids = {id(w) for w in holders}
             among = [i for i, w in enumerate(candidates) if id(w) in ids]
-            best = self._home(blocks.key, among, candidates, loads, speeds, per_speed, extra)
+            best = self._home(blocks.key, among, view, held)
             if best is not None:
                 return best
-        extra = self._bound - 1.0
-        everyone = range(n)
-        want = math.ceil(n * share * self._bound)  # workers the preamble's traffic needs
-        if want < n:
-            ranks = self._ranks_for(blocks.preamble, candidates)
-            among = heapq.nsmallest(want, everyone, key=ranks.__getitem__)
-            best = self._home(blocks.key, among, candidates, loads, speeds, per_speed, extra)
-            if best is not None:
-                return best
-        best = self._home(blocks.key, everyone, candidates, loads, speeds, per_speed, extra)
+        # A worker that holds the preamble keeps new conversations within the history's
+        # bound too: sent elsewhere, the preamble is prefilled again, as a history would be.
+        extra = (self._bound - 1.0, held, blocks.preamble)
+        best = self._preamble_home(view, blocks, share, shares, extra)
+        if best is not None:
+            return best
+        best = self._home(blocks.key, range(len(candidates)), view, extra)
         if best is not None:
             return best
         # Nobody within the bound (cannot happen with a finite load; kept for safety).
         return min(candidates, key=lambda w: self._rank(blocks.key, w))
 
-    def _home(
+    def _preamble_home(
         self,
-        key: int,
-        among: Iterable[int],
-        candidates: Sequence[Worker],
-        loads: list[float],
-        speeds: list[float],
-        per_speed: float,
-        extra: float,
+        view: _View,
+        blocks: PrefixBlocks,
+        share: float,
+        shares: _Shares,
+        extra: tuple[float, float, int],
+    ) -> Worker | None:
+        """A new conversation among the workers its preamble needs, or its overflow worker;
+        None when the preamble needs every worker."""
+        candidates = view.candidates
+        n = len(candidates)
+        # Workers the preamble's traffic needs: each may carry `load_bound` x its fair
+        # share, so a preamble with share s needs n x s / load_bound of them; the plan
+        # places the popular ones together (preamble_plan.py).
+        want = wanted(share, n, self._bound)
+        if want >= n:
+            return None
+        ranks_for = self._ranks_for
+        planned = shares.plan.among(
+            blocks.preamble, share, shares.samples, candidates, shares.counts, ranks_for
+        )
+        order: list[int] | None = None
+        if planned is None:  # not popular enough to plan: its own order's first
+            ranks = ranks_for(blocks.preamble, candidates)
+            order = sorted(range(n), key=ranks.__getitem__)
+            planned = order[:want]
+        best = self._home(blocks.key, planned, view, extra)
+        if best is not None:
+            return best
+        # All of them past the bound: the preamble's next worker in its own order that
+        # has room, so its overflow lands where its earlier overflow went (and every
+        # replica sends it to the same one), not wherever each conversation's key says.
+        if order is None:
+            ranks = ranks_for(blocks.preamble, candidates)
+            order = sorted(range(n), key=ranks.__getitem__)
+        for j in order:
+            if j not in planned and view.fits(j, self._slack(j, candidates, extra)):
+                return candidates[j]
+        return None
+
+    def _home(
+        self, key: int, among: Iterable[int], view: _View, extra: float | tuple[float, float, int]
     ) -> Worker | None:
         """Of the candidates at indexes `among`, the first in the key's rendezvous order
-        within its load limit, `load + 1 <= ceil(fair + extra x max(fair, capacity))`."""
+        within its load limit (`_View.fits`; `extra`: a number, or (extra, for holders of
+        the preamble, the preamble))."""
         best: Worker | None = None
         best_rank = math.inf
         seeds = self._seeds
+        candidates = view.candidates
         for j in among:
-            w = candidates[j]
-            fair = per_speed * speeds[j]
-            capacity = w.capacity or w.max_num_seqs
-            if loads[j] + 1.0 > math.ceil(fair + extra * (capacity if capacity > fair else fair)):
+            e = extra if isinstance(extra, float) else self._slack(j, candidates, extra)
+            if not view.fits(j, e):
                 continue
+            w = candidates[j]
             seed = seeds.get(w.url)
             if seed is None:
                 seed = seeds[w.url] = zlib.crc32(w.url.encode())
@@ -209,6 +291,13 @@ class CacheAware:
             if rank < best_rank:
                 best, best_rank = w, rank
         return best
+
+    def _slack(
+        self, j: int, candidates: Sequence[Worker], extra: tuple[float, float, int]
+    ) -> float:
+        """The slack of candidate `j`: the larger if the index says it holds the preamble."""
+        base, held, preamble = extra
+        return held if preamble and self.index.holds(preamble, candidates[j]) else base
 
     def _ranks_for(self, preamble: int, candidates: Sequence[Worker]) -> list[float]:
         """The candidates' rendezvous ranks for a preamble (cached: preambles are few)."""
