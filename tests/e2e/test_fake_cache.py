@@ -205,6 +205,23 @@ async def test_a_long_prefill_delays_another_requests_first_token(
     assert short >= 0.7 and short >= long - 0.05
 
 
+async def test_a_prompt_queued_behind_the_prefill_of_its_prefix_finds_it_cached(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    """As vLLM looks the cache up when it schedules a request: two conversations with the
+    same 400-token system prompt arriving together pay its prefill once, not twice."""
+    worker = await fake_worker(prefill_ms_per_token=2.0, ttft_ms=5, tpot_ms=1)
+    shared = words(400, "sys")
+    t0 = time.monotonic()
+    first = asyncio.create_task(first_token_after(http, worker, shared + " one", t0))
+    await worker.wait_for(lambda s: s.running == 1)
+    second = await first_token_after(http, worker, shared + " two", t0)
+    assert await asyncio.wait_for(first, 10) >= 0.7  # 400 tokens x 2 ms
+    assert second < 1.2  # behind the first's 0.8 s, then ~1 block of its own, not 0.8 s more
+    _, hits = await counters(http, worker)
+    assert hits == 400 // 16 * 16  # the second found every full block of the shared part
+
+
 async def test_metrics_are_in_vllms_exposition_format(
     fake_worker: MakeWorker, http: aiohttp.ClientSession
 ) -> None:

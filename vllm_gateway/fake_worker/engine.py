@@ -53,12 +53,16 @@ class Engine:
         loop = asyncio.get_running_loop()
         ttft, tpot = self.config.ttft_ms / 1000, self.config.tpot_ms / 1000
         m, cache = self.metrics, self.cache
+        lane = self.prefill_lane
         async with self.scheduler.slot(model):
-            seq = cache.admit(model, prompt)
+            seq = None
             try:
-                m.prompt_tokens += len(prompt)
-                await self.prefill_lane.prefill(seq.uncached_tokens)
-                cache.commit(seq)
+                # The cache is looked up when the prefill starts (prefill.py says why).
+                async with lane.turn():
+                    seq = cache.admit(model, prompt)
+                    m.prompt_tokens += len(prompt)
+                    await lane.compute(seq.uncached_tokens)
+                    cache.commit(seq)
                 start = loop.time()
                 if on_token is None:
                     # Nobody watches the tokens: sleep straight to the first and the last.
@@ -78,7 +82,8 @@ class Engine:
                         cache.grow(seq, len(prompt) + i + 1)
                         await on_token(i)
             finally:
-                cache.release(seq)
+                if seq is not None:
+                    cache.release(seq)
         end = loop.time()
         m.finished["length"] += 1
         m.e2e.observe(end - arrival)

@@ -12,10 +12,21 @@ With a cost of 0 per token (the default), nobody waits for the lane.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 
 class PrefillLane:
-    """One worker's prefill compute: a FIFO lock held for the prefill's duration."""
+    """One worker's prefill compute: a FIFO lock held for the prefill's duration.
+
+        async with lane.turn():                 # wait for the lane (FIFO)
+            seq = cache.admit(...)              # the prefix cache, looked up now
+            await lane.compute(seq.uncached_tokens)
+
+    The prompt is looked up in the prefix cache when its prefill starts, not when it
+    arrives, as vLLM looks it up when it schedules the request: one queued behind the
+    prefill of the same prefix finds it cached.
+    """
 
     def __init__(self, ms_per_token: float) -> None:
         self.seconds_per_token = ms_per_token / 1000
@@ -28,11 +39,18 @@ class PrefillLane:
         """Seconds of compute to prefill this many tokens."""
         return uncached_tokens * self.seconds_per_token
 
-    async def prefill(self, uncached_tokens: int) -> None:
-        """Wait for the lane, then hold it while the tokens are computed."""
-        seconds = self.cost(uncached_tokens)
-        if seconds <= 0:
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Hold the lane (nobody waits when prefill costs nothing)."""
+        if self.seconds_per_token <= 0:
+            yield
             return
         async with self._lock:
+            yield
+
+    async def compute(self, uncached_tokens: int) -> None:
+        """Prefill this many tokens, holding the lane (inside `turn()`)."""
+        seconds = self.cost(uncached_tokens)
+        if seconds > 0:
             await asyncio.sleep(seconds)
             self.busy_seconds += seconds
