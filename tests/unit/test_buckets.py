@@ -193,3 +193,20 @@ def test_a_configured_capacity_closes_the_gate_without_a_scrape():
     w.max_num_seqs = 3
     send(w, b, 3)
     assert b.is_full(w) and not b.has_token(w) and b.describe(w)["capacity"] == 3
+
+
+def test_a_worker_found_full_is_probed_though_its_requests_finished_before_the_scrape():
+    """Short requests: the worker was at the probing limit when a request found it full
+    (and went to another worker), but by the next scrape some had finished. It ran all it
+    was given without a queue, so the limit doubles all the same."""
+    registry, w, b = setup()
+    report(registry, w, running=0, waiting=0)
+    send(w, b, int(PROBE_START))
+    assert not b.has_token(w)
+    b.note_demand([w])  # a request found it full and was sent elsewhere
+    finish(w, b, 5)
+    report(registry, w, running=3, waiting=0)
+    assert b.describe(w)["capacity"] == 2 * PROBE_START
+    # Without a request finding it full since, the next scrape changes nothing.
+    report(registry, w, running=3, waiting=0)
+    assert b.describe(w)["capacity"] == 2 * PROBE_START

@@ -85,6 +85,7 @@ class TokenBucket:
         "limit",
         "log_duration",
         "open",
+        "peak",
         "probe_limit",
         "probed_from",
         "probes",
@@ -108,6 +109,7 @@ class TokenBucket:
         # A request found no room on it (and waited) since the last scrape: only then is
         # a larger capacity worth probing for (an overshoot queues a request in the worker).
         self.demand = False
+        self.peak = 0.0  # most in flight when it was found full since the last scrape
         self.queued_at = -math.inf  # EngineStats.at of the last scrape showing a queue
         self.log_duration: float | None = None  # running mean of log(request seconds)
         self.completion_rate = 0.0  # finished requests per second, decayed
@@ -191,13 +193,16 @@ class Buckets:
             return
         b = self.bucket(worker)
         self._on_stats(worker, b, stats.running, stats.waiting, stats.at)
-        b.demand = False
+        b.demand, b.peak = False, 0.0
         worker.capacity = self.capacity_of(worker) or 0.0  # what policies read
 
     def note_demand(self, workers: Iterable[Worker]) -> None:
         """A request found no room on any of `workers` and waits: their capacity binds."""
         for worker in workers:
-            self.bucket(worker).demand = True
+            b = self.bucket(worker)
+            b.demand = True
+            # What it was given then (in flight now may be less by the next scrape).
+            b.peak = max(b.peak, worker.inflight / self.share)
 
     def _on_stats(
         self, worker: Worker, b: TokenBucket, running: float, waiting: float, at: float
@@ -207,9 +212,10 @@ class Buckets:
         if waiting > 0:
             self._queued(b, running, at)
         elif b.capacity is None:
-            # Slow start: it runs all the gate let through, with no queue, and requests
-            # waited for it: double the gate.
-            if b.demand and max(running, worker.inflight / self.share) >= b.probe_limit:
+            # Slow start: it ran all the gate let through (now, or when a request found it
+            # full), with no queue, and requests waited or went elsewhere: double the gate.
+            given = max(running, worker.inflight / self.share, b.peak)
+            if b.demand and given >= b.probe_limit:
                 b.probe_limit = min(PROBE_MAX, b.probe_limit * 2.0)
         elif b.demand and running >= b.capacity and at - b.queued_at >= b.holdoff:
             if b.probes == 0:
