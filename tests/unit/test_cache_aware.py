@@ -202,23 +202,91 @@ def test_popular_preambles_are_planned_apart_and_alike_in_every_replica(fleet):
     assert len(set().union(*homes[0].values())) == 4, homes[0]
 
 
-def test_a_plan_is_made_again_only_when_it_no_longer_fits():
-    """Shares wandering around one boundary do not move a preamble's workers to and fro;
-    a new popular preamble, or a worker that joins, makes a new plan."""
+def plan_of(p: CacheAware) -> dict[int, tuple[int, frozenset[str]]]:
+    return dict(p._shares["m"].plan._planned)
+
+
+def test_the_same_mix_keeps_its_plan_and_a_new_preamble_or_worker_makes_a_new_one():
+    """Made again on its schedule, the plan of the same mix is the same plan; a new
+    popular preamble, or a worker that joins, is planned."""
     ws = workers(4)
     p = policy()
     systems = [f"system prompt number {s} " * 60 for s in range(4)]
     preambles_placed(p, ws, systems, 400, 400)
-    plan = p._shares["m"].plan
-    made = plan.builds
-    preambles_placed(p, ws, systems, 400, 400, "again")  # the same mix: the same plan
-    assert plan.builds == made
+    before = plan_of(p)
+    assert len(before) == 4
+    preambles_placed(p, ws, systems, 1200, 1200, "again")  # past a scheduled plan
+    assert plan_of(p) == before
     more = [*systems, "a fifth system prompt " * 60]
     preambles_placed(p, ws, more, 1000, 1000, "fifth")
-    assert plan.builds > made
-    made = plan.builds
-    preambles_placed(p, [*ws, *workers(5)[4:]], more, 400, 400, "joined")
-    assert plan.builds > made
+    assert len(plan_of(p)) == 5
+    joined = workers(5)[4]
+    preambles_placed(p, [*ws, joined], more, 400, 400, "joined")
+    assert any(joined.url in urls for _, urls in plan_of(p).values())
+
+
+def mixed_traffic(rng: random.Random, replicas: list[CacheAware], ws: list[Worker],
+                  count: int, tag: str) -> None:  # fmt: skip
+    """Two popular system prompts (40% each: two workers each, clear of a boundary where
+    the two replicas' samples could tell 1 or 2) and many rare ones, requests alternating."""
+    hot = [f"system prompt {x} " * 60 for x in "PQ"]
+    for i in range(count):
+        r = rng.random()
+        s = hot[0] if r < 0.4 else hot[1] if r < 0.8 else f"rare {rng.randrange(300)} " * 60
+        replicas[i % len(replicas)].select(ws, info(chat(f"{tag} {i} hi", system=s)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_alternating_replicas_make_the_same_plan_and_keep_a_conversation_on_one_worker(seed):
+    """Plans made at other moments from other samples converge: each is made from scratch
+    from the shares, on a schedule both replicas keep."""
+    ws = workers(4)
+    one, other = policy(), policy()
+    mixed_traffic(random.Random(seed), [one, other], ws, 3000, "a")
+    assert plan_of(one) == plan_of(other)
+    turns: list[str] = []
+    homes = set()
+    for t in range(6):
+        turns.append(f"conversation turn {t} " * 30)
+        homes.add(
+            (one, other)[t % 2].select(ws, info(chat(*turns, system="system prompt P " * 60)))
+        )
+        turns.append(f"answer {t} " * 100)
+    assert len(homes) == 1, homes
+
+
+def test_a_registry_change_that_removes_nobody_keeps_the_plan():
+    ws = workers(4)
+    p = policy()
+    rng = random.Random(3)
+    mixed_traffic(rng, [p], ws, 5000, "a")
+    before = plan_of(p)
+    p.forget_missing(set(ws))  # a state change, a circuit, another model's worker...
+    mixed_traffic(rng, [p], ws, 200, "b")
+    assert plan_of(p) == before
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_worker_is_planned_two_preambles_while_another_is_planned_none(seed):
+    ws = [Worker(f"http://s{seed}.{i}:8000", models=("m",)) for i in range(6)]
+    rng = random.Random(seed)
+    p = policy()
+    for i in range(4000):  # 5 equally popular system prompts over 6 workers
+        p.select(ws, info(chat(f"u{i}", system=f"system prompt {seed}-{rng.randrange(5)} " * 60)))
+    per = Counter(u for _, urls in plan_of(p).values() for u in urls)
+    assert max(per.values()) == 1 or len(per) == len(ws), per
+
+
+def test_a_worker_of_weight_0_is_planned_nothing_and_all_of_weight_0_still_answer():
+    ws = workers(4)
+    ws[3].weight = 0.0
+    p = policy()
+    for i in range(400):
+        p.select(ws, info(chat(f"u{i}", system=f"system prompt {i % 4} " * 60)))
+    assert all(ws[3].url not in urls for _, urls in plan_of(p).values())
+    for w in ws:
+        w.weight = 0.0
+    assert p.select(ws, info(chat("any of them"))) in ws  # as queue would choose
 
 
 def test_a_preambles_overflow_goes_to_its_next_worker_in_every_replica():

@@ -1,48 +1,65 @@
 """Which workers each popular preamble goes to: one share-balanced plan, alike in replicas.
 
     plan.among(preamble, share, samples, candidates, counts, ranks_for) -> list[int] | None
+    plan.forget_missing(urls)   workers left the registry
 
 A preamble (a system prompt many conversations share) goes to as many workers as its
-traffic needs: `want = ceil(n x share / load_bound)` of the n workers, since each may carry
-`load_bound` times its fair part; that also spreads the caching, each worker holding about
-its part of the preambles and their conversations' histories. Chosen one preamble at a
-time, each the first workers of its own rendezvous order, popular preambles collide: 4 of
-them over 4 workers put two or more on one worker more often than not (1 - 4!/4^4 = 91%),
-and that worker then caches all of them and their conversations' histories, past its KV
-cache, and prefills them again and again, while another worker caches none.
+traffic needs: `want = ceil(n x share / load_bound)` of the n workers (of weight > 0),
+since each may carry `load_bound` times its fair part; that also spreads the caching, each
+worker holding about its part of the preambles and their conversations' histories.
+Chosen one preamble at a time, each the first workers of its own rendezvous order, popular
+preambles collide: 4 of them over 4 workers put two or more on one worker more often than
+not (1 - 4!/4^4 = 91%), and that worker then caches all of them and their conversations'
+histories, past its KV cache, and prefills them again and again, while another worker
+caches none.
 
-The plan places the popular preambles (each at least `1 / (2n)` of the recent requests,
-so at most 2n of them) together: no worker is planned more than `load_bound` x its fair
-part of the traffic (by weight), unless it has nothing planned. In the order of their
-hashes (the same in every replica, whatever order each saw them in), each preamble first
-keeps the workers it was planned before, where they have room (a new plan moves no
-preamble that need not move: a moved one is prefilled again on its new worker), then
-takes the first workers of its own rendezvous order with room, else the least planned.
-Two replicas see about the same shares (requests alternate between them) and start from
-the same plan, so they make the same plan.
+The plan places the popular preambles (each at least `1 / (HOT x n)` of the recent
+requests; once planned, until below half that) together, in the order of their hashes:
+each takes the least planned workers, the first of its own rendezvous order among
+equals, within each worker's part (by weight) of all the slots the popular preambles
+want. So each worker caches about its part of them, and none two while another has none.
+A plan is a function of the shares and the workers only, made from scratch each time, so
+two replicas (requests alternate between them, so they measure about the same shares)
+make the same plan, and any difference lasts until the next; and counted in preambles,
+not in their exact shares, so shares wandering do not move preambles (each move a
+prefill) while the popular ones and their numbers of workers stay the same.
 
-A share is measured over the last requests (`samples` of them), so it wanders: a preamble
-changes its number of workers only when the measurement says so with confidence (`Z`
-standard errors), not when a few conversations of one system prompt happen to start
-together; until then it keeps what it has, and then moves only as far as it must. A new
-preamble starts from the fewest workers its share may need.
+Each popular preamble is planned the fewest workers its measured share surely needs (at
+`Z` standard errors): a preamble near a boundary (a third of the traffic on 4 workers)
+gets the fewer, and its overflow goes past its planned workers at dispatch, rather than
+every worker caching two preambles where one would do for most of the time.
 
-The plan is made again only when it no longer fits: a popular preamble not in it, one
-whose number of workers must change, or a candidate it was not made over; and at most
-once per `4n` requests (a plan costs O(hot x n log n)). Pure: no clock, no I/O.
+When it is made: when a popular preamble is not in it; when a preamble's planned number
+of workers falls outside what its measured share allows at `Z` standard errors (a share
+wandering around a boundary, or a few conversations of one system prompt starting
+together, move nothing); when it was made over other workers; and on a schedule counted
+in requests, the same in every replica: after 32, 64, 128, ... `SHARE_WINDOW` requests,
+then every `SHARE_WINDOW`, so the first plans, made from few samples, are soon made again
+from more. At most once per `4n` requests otherwise (a plan costs O(HOT n^2 log n)). A
+worker left out for a moment (full, so not a candidate) changes nothing: the plan is
+made over the workers it knew, and the request takes those of them that are candidates.
+A planned preamble's fit is checked every `4n`th request. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from vllm_gateway.workers import Worker
 
+# A preamble is planned from `1 / (HOT x n)` of the recent requests (and stays planned
+# until below half that): at most HOT x n of them. Low enough that one of n equally
+# popular preambles is planned soon after its first conversations, not after they have
+# settled on a worker its own rendezvous order gave it, possibly another preamble's.
+HOT = 4
 # Standard errors a share must move before its preamble's number of workers follows: 3, as
 # a conversation's turns are not independent samples (6 turns of one conversation count as
 # 6 requests), so the plain binomial error understates how much a share wanders.
 Z = 3.0
+# Requests over which shares are measured (cache_aware's window): the schedule's period.
+SHARE_WINDOW = 1024
+FIRST_SCHEDULED = 32
 
 RanksFor = Callable[[int, Sequence[Worker]], list[float]]
 
@@ -52,21 +69,35 @@ def wanted(share: float, n: int, bound: float) -> int:
     return min(n, max(1, math.ceil(n * share / bound - 1e-9)))
 
 
-def want_range(share: float, samples: int, n: int, bound: float) -> tuple[int, int]:
-    """The fewest and most workers a measured share may need, at `Z` standard errors."""
-    error = Z * math.sqrt(share * (1.0 - share) / samples) if samples > 0 else 1.0
-    return wanted(share - error, n, bound), wanted(share + error, n, bound)
+def _error(share: float, samples: int) -> float:
+    """`Z` standard errors of a share measured over `samples` requests."""
+    return Z * math.sqrt(share * (1.0 - share) / samples) if samples > 0 else 1.0
+
+
+def _fewest(share: float, samples: int, n: int, bound: float) -> int:
+    """The fewest workers a share measured over `samples` surely needs (at `Z` errors)."""
+    return wanted(share - _error(share, samples), n, bound)
+
+
+def _allowed(want: int, share: float, samples: int, n: int, bound: float) -> bool:
+    """Whether `want` workers fit a share measured over `samples`, at `Z` standard errors."""
+    error = _error(share, samples)
+    return wanted(share - error, n, bound) <= want <= wanted(share + error, n, bound)
 
 
 class PreamblePlan:
-    """The planned workers (URLs) of each popular preamble, remade when it no longer fits."""
+    """The planned workers (URLs) of each popular preamble, made again when it no longer fits."""
 
     def __init__(self, load_bound: float) -> None:
         self._bound = load_bound
         self._planned: dict[int, tuple[int, frozenset[str]]] = {}  # preamble -> (want, URLs)
         self._urls: frozenset[str] = frozenset()  # the workers the plan was made over
-        self._since = 1 << 30  # requests since the plan was made (none yet: make one)
-        self.builds = 0  # plans made (for tests and telemetry)
+        self._known: dict[str, Worker] = {}  # them, less those that left the registry
+        self._n = 0  # of them, with weight > 0
+        self._seen = 0  # requests seen (the schedule counts them)
+        self._next = FIRST_SCHEDULED  # the next scheduled plan, in requests seen
+        self._since = 1 << 30  # requests since the last plan (none yet: one may be made)
+        self.builds = 0  # plans made (for tests)
 
     def among(
         self,
@@ -78,20 +109,15 @@ class PreamblePlan:
         ranks_for: RanksFor,
     ) -> list[int] | None:
         """Indexes of the candidates planned for `preamble`; None when it is not planned
-        (not popular, or no plan could be made yet): the caller takes its own order."""
-        n = len(candidates)
+        (not popular, no plan made yet, or none of its workers is a candidate): the caller
+        takes the preamble's own order."""
+        self._seen += 1
         self._since += 1
-        if share * 2 * n < 1:
-            return None
         entry = self._planned.get(preamble)
-        stale = (
-            entry is None
-            or not want_range(share, samples, n, self._bound)[0]
-            <= entry[0]
-            <= want_range(share, samples, n, self._bound)[1]
-            or n > len(self._urls)
-        )
-        if stale and self._since >= 4 * n:
+        n = self._n or len(candidates)
+        if entry is None and share * HOT * n < 1:
+            return None
+        if self._stale(entry, share, samples, candidates):
             self._build(candidates, counts, ranks_for)
             entry = self._planned.get(preamble)
         if entry is None:
@@ -100,74 +126,90 @@ class PreamblePlan:
         found = [j for j, w in enumerate(candidates) if w.url in urls]
         return found or None
 
-    def forget(self) -> None:
-        """Workers left the registry: make the plan again at the next request."""
-        self._planned.clear()
-        self._urls = frozenset()
-        self._since = 1 << 30
+    def forget_missing(self, present: Iterable[str]) -> None:
+        """Workers left the registry: if the plan used any, make it again soon."""
+        present = set(present)
+        for url in [u for u in self._known if u not in present]:
+            del self._known[url]
+        if self._urls - present:
+            self._urls = frozenset()  # no longer made over the workers there are
+            self._since = 1 << 30
+
+    def _stale(
+        self,
+        entry: tuple[int, frozenset[str]] | None,
+        share: float,
+        samples: int,
+        candidates: Sequence[Worker],
+    ) -> bool:
+        """Whether to make the plan again now (see the module docstring)."""
+        if self._seen >= self._next:
+            self._next = self._seen + min(self._seen, SHARE_WINDOW)
+            return True
+        gap = 4 * max(1, len(self._urls))
+        if self._since < gap:
+            return False
+        if entry is None:
+            return True
+        if self._seen % gap:  # a planned preamble is checked now and then, not every time
+            return False
+        if not _allowed(entry[0], share, samples, self._n, self._bound):
+            return True
+        # A worker it was not made over (one joined, or replaced another).
+        return any(w.url not in self._urls for w in candidates)
 
     def _build(
         self, candidates: Sequence[Worker], counts: Mapping[int, int], ranks_for: RanksFor
     ) -> None:
-        n = len(candidates)
+        # Over the workers it knew that are not candidates now (full for a moment), too.
+        known = self._known
+        known.update((w.url, w) for w in candidates)
+        workers = sorted(known.values(), key=lambda w: w.url)
         total = sum(counts.values())
-        weights = [max(0.0, w.weight) for w in candidates]
+        weighted = sum(1 for w in workers if w.weight > 0 and math.isfinite(w.weight))
+        before = self._planned
         planned: dict[int, tuple[int, frozenset[str]]] = {}
-        self._urls, self._since = frozenset(w.url for w in candidates), 0
+        self._urls, self._n, self._since = frozenset(known), weighted, 0
         self.builds += 1
-        if total <= 0 or sum(weights) <= 0:
+        if total <= 0 or weighted == 0:
             self._planned = planned
             return
-        bins = _Bins(self._bound, weights)
-        index = {w.url: j for j, w in enumerate(candidates)}
-        hot = sorted(p for p, c in counts.items() if c * 2 * n >= total)
-        wants: dict[int, int] = {}
-        chosen: dict[int, list[int]] = {}
-        for preamble in hot:  # first, each keeps the workers it had, where there is room
-            share = counts[preamble] / total
-            low, high = want_range(share, total, n, self._bound)
-            want, had = self._planned.get(preamble, (0, frozenset()))
-            # What it had while the measurement allows it; else the nearest it allows (a
-            # new preamble starts from the fewest: it grows as its share is known).
-            want = wants[preamble] = min(max(want, low), high)
-            ranks = ranks_for(preamble, candidates)
-            kept = sorted((index[u] for u in had if u in index), key=ranks.__getitem__)
-            part = share / want
-            chosen[preamble] = bins.take([j for j in kept if bins.fits(j, part)], want, part)
-        for preamble in hot:  # then from its own order: first with room, else least planned
-            want, kept = wants[preamble], chosen[preamble]
-            if len(kept) < want:
-                part = counts[preamble] / total / want
-                ranks = ranks_for(preamble, candidates)
-                order = [j for j in sorted(range(n), key=ranks.__getitem__) if j not in kept]
-                fits = [j for j in order if bins.fits(j, part)][: want - len(kept)]
-                rest = bins.least_planned([j for j in order if j not in fits])
-                kept += bins.take(fits + rest, want - len(kept), part)
-            planned[preamble] = (want, frozenset(candidates[j].url for j in kept))
+        hot = sorted(
+            p
+            for p, c in counts.items()
+            if c * HOT * weighted >= total or (p in before and c * 2 * HOT * weighted >= total)
+        )
+        wants = [_fewest(counts[p] / total, total, weighted, self._bound) for p in hot]
+        bins = _Bins(sum(wants), [w.weight for w in workers])
+        for preamble, want in zip(hot, wants, strict=True):  # in hash order, as every replica
+            ranks = ranks_for(preamble, workers)
+            taken = bins.take(ranks, want)
+            planned[preamble] = (want, frozenset(workers[j].url for j in taken))
         self._planned = planned
 
 
 class _Bins:
-    """What each worker is planned at most, and what it is planned so far: its fair part of
-    the traffic (by weight) x load_bound, whatever the load. This spreads the caching, not
-    the compute: each worker's cache holds its preambles and their conversations' histories.
-    A worker with nothing planned takes any one preamble."""
+    """How many preambles each worker is planned at most, and so far: the slots all of
+    them need (their wants summed), shared out by weight (rounded up), so each worker
+    caches about its part of the popular preambles and none caches two while another has
+    none. Counted in preambles, not in their exact shares: measured shares wander, and a
+    plan that followed them would move preambles (each move a prefill) for nothing; the
+    load bound at dispatch keeps the traffic in check. A worker of weight 0 takes none."""
 
-    def __init__(self, bound: float, weights: list[float]) -> None:
+    def __init__(self, slots: int, weights: list[float]) -> None:
+        weights = [x if x > 0 and math.isfinite(x) else 0.0 for x in weights]
         total = sum(weights)
-        self.room = [bound * x / total for x in weights]
-        self.used = [0.0] * len(weights)
+        self.n = sum(1 for x in weights if x > 0)
+        self.room = [math.ceil(slots * x / total - 1e-9) if total > 0 else 0 for x in weights]
+        self.used = [0] * len(weights)
 
-    def fits(self, j: int, part: float) -> bool:
-        return not self.used[j] or self.used[j] + part <= self.room[j] + 1e-9
-
-    def least_planned(self, order: list[int]) -> list[int]:
+    def take(self, ranks: list[float], count: int) -> list[int]:
+        """The `count` least planned workers with room, by rank among equals (the first of
+        the preamble's own order); each is planned one more preamble."""
         room, used = self.room, self.used
-        return sorted(order, key=lambda j: used[j] / room[j] if room[j] > 0 else math.inf)
-
-    def take(self, order: list[int], count: int, part: float) -> list[int]:
-        """The first `count` of `order`, each planned `part` more."""
+        order = sorted((j for j in range(len(room)) if used[j] < room[j]),
+                       key=lambda j: (used[j], ranks[j]))  # fmt: skip
         taken = order[:count]
         for j in taken:
-            self.used[j] += part
+            used[j] += 1
         return taken

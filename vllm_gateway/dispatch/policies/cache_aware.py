@@ -126,7 +126,7 @@ def rendezvous_rank(key: int, worker: Worker, seed: int) -> float:
 class _View:
     """The candidates of one request with their loads and speeds: who fits one more."""
 
-    __slots__ = ("candidates", "loads", "per_speed", "speeds")
+    __slots__ = ("candidates", "loads", "per_speed", "speeds", "weighted")
 
     def __init__(
         self, candidates: Sequence[Worker], loads: list[float], speeds: list[float], per: float
@@ -135,17 +135,21 @@ class _View:
         self.loads = loads
         self.speeds = speeds
         self.per_speed = per  # the fair load per unit of speed, this request included
+        self.weighted = sum(1 for x in speeds if x > 0)  # candidates that may be chosen
 
     def fits(self, j: int, extra: float) -> bool:
         """Whether candidate `j` takes one more within its limit,
-        `load + 1 <= ceil(fair + extra x max(fair, capacity))`."""
+        `load + 1 <= ceil(fair + extra x max(fair, capacity))` (never when not finite)."""
         w = self.candidates[j]
         fair = self.per_speed * self.speeds[j]
         # Unknown capacity: what the capacity gate itself assumes a worker runs at once.
         capacity = w.capacity or w.max_num_seqs or PROBE_START
-        return self.loads[j] + 1.0 <= math.ceil(
-            fair + extra * (capacity if capacity > fair else fair)
-        )
+        try:
+            return self.loads[j] + 1.0 <= math.ceil(
+                fair + extra * (capacity if capacity > fair else fair)
+            )
+        except (OverflowError, ValueError):  # inf or NaN from a nonsense figure somewhere
+            return False
 
 
 class CacheAware:
@@ -174,23 +178,31 @@ class CacheAware:
             shares = self._shares[info.model] = _Shares(self._bound)
         share = shares.add(blocks.preamble) if blocks.preamble else 1.0
         one = len(candidates) == 1
-        worker = candidates[0] if one else self._choose(candidates, blocks, share, shares)
-        self.index.record(worker, blocks)
+        worker = candidates[0] if one else self._choose(candidates, blocks, share, shares, info)
+        if worker is not None:
+            self.index.record(worker, blocks)
         return worker
 
     def forget_missing(self, present: set[Worker]) -> None:
         """Forget the workers that left the registry (what they were sent, their ranks)."""
         self.index.forget_missing(present)
         urls = {w.url for w in present}
-        for url in [u for u in self._seeds if u not in urls]:
+        gone = [u for u in self._seeds if u not in urls]
+        for url in gone:
             del self._seeds[url]
-        self._preamble_ranks.clear()
+        if gone:
+            self._preamble_ranks.clear()
         for shares in self._shares.values():
-            shares.plan.forget()
+            shares.plan.forget_missing(urls)
 
     def _choose(
-        self, candidates: Sequence[Worker], blocks: PrefixBlocks, share: float, shares: _Shares
-    ) -> Worker:
+        self,
+        candidates: Sequence[Worker],
+        blocks: PrefixBlocks,
+        share: float,
+        shares: _Shares,
+        info: RequestInfo,
+    ) -> Worker | None:
         loads = []
         best_pace = 0.0
         for w in candidates:
@@ -200,8 +212,8 @@ class CacheAware:
         best_pace = best_pace or 1.0
         speeds = [(w.pace or best_pace) * w.weight for w in candidates]
         total_speed = sum(speeds)
-        if total_speed <= 0:
-            return candidates[0]
+        if not 0 < total_speed < math.inf:  # all of weight 0 (or nonsense): by load alone
+            return self._fallback.select(candidates, info)
         # The fair load per unit of speed (this request included): a worker's limit is its
         # fair share plus (bound - 1) x that share, or x its capacity when the fleet is
         # lightly loaded (a few requests over an even split matter nothing to a worker
@@ -225,8 +237,8 @@ class CacheAware:
         best = self._home(blocks.key, range(len(candidates)), view, extra)
         if best is not None:
             return best
-        # Nobody within the bound (cannot happen with a finite load; kept for safety).
-        return min(candidates, key=lambda w: self._rank(blocks.key, w))
+        # Nobody within the bound (only where a figure is not finite): by load alone.
+        return self._fallback.select(candidates, info)
 
     def _preamble_home(
         self,
@@ -240,18 +252,20 @@ class CacheAware:
         None when the preamble needs every worker."""
         candidates = view.candidates
         n = len(candidates)
-        # Workers the preamble's traffic needs: each may carry `load_bound` x its fair
-        # share, so a preamble with share s needs n x s / load_bound of them; the plan
-        # places the popular ones together (preamble_plan.py).
-        want = wanted(share, n, self._bound)
-        if want >= n:
-            return None
         ranks_for = self._ranks_for
-        planned = shares.plan.among(
-            blocks.preamble, share, shares.samples, candidates, shares.counts, ranks_for
-        )
         order: list[int] | None = None
-        if planned is None:  # not popular enough to plan: its own order's first
+        # The popular preambles: where the plan puts them (preamble_plan.py).
+        planned = None
+        if blocks.preamble:
+            planned = shares.plan.among(
+                blocks.preamble, share, shares.samples, candidates, shares.counts, ranks_for
+            )
+        if planned is None:
+            # The others: each may carry `load_bound` x its fair share, so a preamble with
+            # share s needs n x s / load_bound workers, the first of its own order.
+            want = wanted(share, view.weighted, self._bound)
+            if want >= view.weighted:
+                return None
             ranks = ranks_for(blocks.preamble, candidates)
             order = sorted(range(n), key=ranks.__getitem__)
             planned = order[:want]
