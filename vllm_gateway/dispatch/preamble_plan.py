@@ -38,7 +38,7 @@ then every `SHARE_WINDOW`, so the first plans, made from few samples, are soon m
 from more. At most once per `4n` requests otherwise (a plan costs O(HOT n^2 log n)). A
 worker left out for a moment (full, so not a candidate) changes nothing: the plan is
 made over the workers it knew, and the request takes those of them that are candidates.
-A planned preamble's fit is checked every `4n`th request. Pure: no clock, no I/O.
+A planned preamble's fit is checked once per `4n` requests. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class PreamblePlan:
         self._urls: frozenset[str] = frozenset()  # the workers the plan was made over
         self._known: dict[str, Worker] = {}  # them, less those that left the registry
         self._n = 0  # of them, with weight > 0
-        self._seen = 0  # requests seen (the schedule counts them)
+        self._seen = 0  # requests seen (count(): the schedule counts them)
+        self._checked = 0  # requests seen when a planned preamble's fit was last checked
         self._next = FIRST_SCHEDULED  # the next scheduled plan, in requests seen
         self._since = 1 << 30  # requests since the last plan (none yet: one may be made)
         self.builds = 0  # plans made (for tests)
@@ -111,8 +112,6 @@ class PreamblePlan:
         """Indexes of the candidates planned for `preamble`; None when it is not planned
         (not popular, no plan made yet, or none of its workers is a candidate): the caller
         takes the preamble's own order."""
-        self._seen += 1
-        self._since += 1
         entry = self._planned.get(preamble)
         n = self._n or len(candidates)
         if entry is None and share * HOT * n < 1:
@@ -125,6 +124,11 @@ class PreamblePlan:
         urls = entry[1]
         found = [j for j, w in enumerate(candidates) if w.url in urls]
         return found or None
+
+    def count(self) -> None:
+        """One more request of the model (every one, whichever way it is placed)."""
+        self._seen += 1
+        self._since += 1
 
     def forget_missing(self, present: Iterable[str]) -> None:
         """Workers left the registry: if the plan used any, make it again soon."""
@@ -151,8 +155,9 @@ class PreamblePlan:
             return False
         if entry is None:
             return True
-        if self._seen % gap:  # a planned preamble is checked now and then, not every time
+        if self._seen < self._checked + gap:  # a planned preamble's fit: now and then
             return False
+        self._checked = self._seen
         if not _allowed(entry[0], share, samples, self._n, self._bound):
             return True
         # A worker it was not made over (one joined, or replaced another).

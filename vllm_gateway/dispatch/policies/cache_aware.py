@@ -95,6 +95,7 @@ class _Shares:
 
     def add(self, preamble: int) -> float:
         """Count one more request with `preamble`; return its share now."""
+        self.plan.count()
         ring, counts = self._ring, self._counts
         ring.append(preamble)
         counts[preamble] = counts.get(preamble, 0) + 1
