@@ -289,6 +289,37 @@ def test_a_worker_of_weight_0_is_planned_nothing_and_all_of_weight_0_still_answe
     assert p.select(ws, info(chat("any of them"))) in ws  # as queue would choose
 
 
+def test_a_worker_that_is_out_is_planned_no_more_and_its_preamble_moves():
+    """Unhealthy (or draining, or its circuit open), a planned worker is no candidate; the
+    next plan leaves it out and gives its preamble the spare worker, not another's."""
+    from vllm_gateway.workers import WorkerState
+
+    ws = workers(5)
+    for w in ws:
+        w.state = WorkerState.READY
+    p = policy()
+    systems = [f"system prompt number {s} " * 60 for s in range(4)]
+    preambles_placed(p, ws, systems, 400, 400)
+    planned = plan_of(p)
+    out = next(iter(planned[next(iter(planned))][1]))
+    down = next(w for w in ws if w.url == out)
+    down.state = WorkerState.UNHEALTHY
+    up = [w for w in ws if w is not down]
+    preambles_placed(p, up, systems, 2000, 2000, "after")
+    per = Counter(u for _, urls in plan_of(p).values() for u in urls)
+    assert out not in per and max(per.values()) == 1 and len(per) == 4, per
+
+
+@pytest.mark.parametrize("n", [4, 5, 10])
+def test_conversations_without_a_shared_prompt_or_with_one_for_all_use_every_worker(n):
+    ws = workers(n)
+    p = policy()
+    bare = Counter(p.select(ws, info({"model": "m", "messages": [
+        {"role": "user", "content": f"question {i}"}]})) for i in range(40 * n))  # fmt: skip
+    one = Counter(p.select(ws, info(chat(f"user {i} says hi"))) for i in range(40 * n))
+    assert len(bare) == n and len(one) == n, (bare, one)
+
+
 def test_a_preambles_overflow_goes_to_its_next_worker_in_every_replica():
     """Past the load bound on its home, a preamble's new conversations go to the next
     worker in the preamble's own order, all to the same one, and another replica (its

@@ -37,9 +37,9 @@ also before anything was learned. The capacity is, first found first:
 
 Probing (2 and 3) happens only while it is needed: when a request found no room on the
 worker since the last scrape (`note_demand`), and waited or went to another worker (away
-from the one holding its prompt's prefix, say). A fleet with room to spare is never
-overshot. Without a fresh scrape there is no evidence either way and no
-   probing limit: the gate is open (the policies fall back to in-flight counts).
+from the one holding its prompt's prefix, say). A worker nothing finds full is never
+overshot. Without a fresh scrape there is no evidence either way and no probing limit:
+the gate is open (the policies fall back to in-flight counts).
 
 Dispatch owns the buckets and calls `on_stats`, `take` and `on_release`; everything here is
 plain attributes, read as they are by telemetry.
@@ -106,8 +106,9 @@ class TokenBucket:
         self.holdoff = PROBE_HOLDOFF  # seconds without a queue before probing upward
         self.probed_from: float | None = None  # capacity a running probe started from
         self.probe_limit = PROBE_START  # the capacity gate while `capacity` is unknown
-        # A request found no room on it (and waited) since the last scrape: only then is
-        # a larger capacity worth probing for (an overshoot queues a request in the worker).
+        # A request found no room on it (and waited, or went to another worker) since the
+        # last scrape: only then is a larger capacity worth probing for (an overshoot
+        # queues a request in the worker).
         self.demand = False
         self.peak = 0.0  # most in flight when it was found full since the last scrape
         self.queued_at = -math.inf  # EngineStats.at of the last scrape showing a queue
@@ -197,7 +198,8 @@ class Buckets:
         worker.capacity = self.capacity_of(worker) or 0.0  # what policies read
 
     def note_demand(self, workers: Iterable[Worker]) -> None:
-        """A request found no room on any of `workers` and waits: their capacity binds."""
+        """A request found no room on `workers` (and waits, or goes to another worker):
+        their capacity binds."""
         for worker in workers:
             b = self.bucket(worker)
             b.demand = True

@@ -65,8 +65,12 @@ RanksFor = Callable[[int, Sequence[Worker]], list[float]]
 
 
 def wanted(share: float, n: int, bound: float) -> int:
-    """Workers a preamble with `share` of the traffic needs: ceil(n x share / bound)."""
-    return min(n, max(1, math.ceil(n * share / bound - 1e-9)))
+    """Workers a preamble with `share` of the traffic needs, ceil(n x share / bound), or
+    all those the rest of the traffic does not need (it needs ceil(n x rest x bound) at
+    most): a preamble with all the traffic has every worker, none left idle."""
+    need = math.ceil(n * share / bound - 1e-9)
+    spare = n - math.ceil(n * (1.0 - share) * bound - 1e-9)
+    return min(n, max(1, need, spare))
 
 
 def _error(share: float, samples: int) -> float:
@@ -126,7 +130,7 @@ class PreamblePlan:
         return found or None
 
     def count(self) -> None:
-        """One more request of the model (every one, whichever way it is placed)."""
+        """One more request of the model with a system prompt, whichever way it is placed."""
         self._seen += 1
         self._since += 1
 
@@ -168,6 +172,8 @@ class PreamblePlan:
     ) -> None:
         # Over the workers it knew that are not candidates now (full for a moment), too.
         known = self._known
+        for url in [u for u, w in known.items() if not w.available]:
+            del known[url]  # out (unhealthy, draining, circuit open): not planned
         known.update((w.url, w) for w in candidates)
         workers = sorted(known.values(), key=lambda w: w.url)
         total = sum(counts.values())

@@ -262,6 +262,8 @@ class CacheAware:
                 blocks.preamble, share, shares.samples, candidates, shares.counts, ranks_for
             )
         if planned is None:
+            if not blocks.preamble:  # nothing shared to cache: spread by the key
+                return None
             # The others: each may carry `load_bound` x its fair share, so a preamble with
             # share s needs n x s / load_bound workers, the first of its own order.
             want = wanted(share, view.weighted, self._bound)
@@ -280,7 +282,9 @@ class CacheAware:
             ranks = ranks_for(blocks.preamble, candidates)
             order = sorted(range(n), key=ranks.__getitem__)
         for j in order:
-            if j not in planned and view.fits(j, self._slack(j, candidates, extra)):
+            if j in planned or not view.speeds[j] > 0:
+                continue
+            if view.fits(j, self._slack(j, candidates, extra)):
                 return candidates[j]
         return None
 
