@@ -203,10 +203,26 @@ def test_a_worker_found_full_is_probed_though_its_requests_finished_before_the_s
     report(registry, w, running=0, waiting=0)
     send(w, b, int(PROBE_START))
     assert not b.has_token(w)
-    b.note_demand([w])  # a request found it full and was sent elsewhere
+    b.note_demand([w], waits=False)  # a request found it full and was sent elsewhere
     finish(w, b, 5)
     report(registry, w, running=3, waiting=0)
     assert b.describe(w)["capacity"] == 2 * PROBE_START
     # Without a request finding it full since, the next scrape changes nothing.
     report(registry, w, running=3, waiting=0)
     assert b.describe(w)["capacity"] == 2 * PROBE_START
+
+
+def test_a_learned_capacity_is_not_probed_when_the_request_found_room_elsewhere():
+    """A learned capacity is what the worker runs before queueing: probing past it while
+    another worker had room would queue a request inside this one (behind long answers,
+    say) for nothing. Only a request that waits probes it."""
+    registry, w, b = setup()
+    report(registry, w, running=4, waiting=1)  # learned: it runs 4
+    assert b.by_worker[w].capacity == 4
+    report(registry, w, running=4, waiting=0, at=PROBE_HOLDOFF)
+    b.note_demand([w], waits=False)
+    report(registry, w, running=4, waiting=0, at=PROBE_HOLDOFF + 0.25)
+    assert b.by_worker[w].capacity == 4
+    b.note_demand([w])  # one waited for it
+    report(registry, w, running=4, waiting=0, at=PROBE_HOLDOFF + 0.5)
+    assert b.by_worker[w].capacity == 5

@@ -36,8 +36,9 @@ also before anything was learned. The capacity is, first found first:
    teaches the capacity.
 
 Probing (2 and 3) happens only while it is needed: when a request found no room on the
-worker since the last scrape (`note_demand`), and waited or went to another worker (away
-from the one holding its prompt's prefix, say). A worker nothing finds full is never
+worker since the last scrape (`note_demand`) and waited; for the probing limit (3), also
+when it went to another worker instead (away from the one holding its prompt's prefix,
+say). A worker nothing finds full is never
 overshot. Without a fresh scrape there is no evidence either way and no probing limit:
 the gate is open (the policies fall back to in-flight counts).
 
@@ -197,11 +198,15 @@ class Buckets:
         b.demand, b.peak = False, 0.0
         worker.capacity = self.capacity_of(worker) or 0.0  # what policies read
 
-    def note_demand(self, workers: Iterable[Worker]) -> None:
-        """A request found no room on `workers` (and waits, or goes to another worker):
-        their capacity binds."""
+    def note_demand(self, workers: Iterable[Worker], waits: bool = True) -> None:
+        """A request found no room on `workers`: their capacity binds. When it waits, probe
+        any of them; when it goes to another worker, only those whose capacity is not
+        learned yet (a learned one is what the worker runs before queueing: a probe past
+        it would queue a request inside the worker while another had room)."""
         for worker in workers:
             b = self.bucket(worker)
+            if not waits and b.capacity is not None:
+                continue
             b.demand = True
             # What it was given then (in flight now may be less by the next scrape).
             b.peak = max(b.peak, worker.inflight / self.share)

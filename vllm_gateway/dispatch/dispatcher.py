@@ -282,7 +282,7 @@ class Dispatcher:
             has_token = self.buckets.has_token
             candidates = [w for w in available if has_token(w)]
             if len(candidates) < len(available):  # what they run binds: probe them for more
-                self.buckets.note_demand(w for w in available if not has_token(w))
+                self.buckets.note_demand([w for w in available if not has_token(w)], not candidates)
                 if not candidates:
                     return None
         else:
