@@ -105,8 +105,11 @@ class Load:
         stream = rng.random() >= cfg.unary_fraction
         leave = rng.random() < cfg.disconnect_fraction
         leave_after = rng.randint(1, tokens - 1) if leave else None
+        # Each request its own prompt, as different users' are: identical prompts would be
+        # one conversation to cache_aware, kept on its home (the soak is about the relay).
+        prompt = f"soak {self.serial}"
         body = orjson.dumps(
-            {"model": MODEL, "prompt": "soak", "max_tokens": tokens, "stream": stream}
+            {"model": MODEL, "prompt": prompt, "max_tokens": tokens, "stream": stream}
         )
         self.serial += 1
         rid = f"soak-{cfg.seed}-{self.serial}"

@@ -95,7 +95,9 @@ async def test_worker_killed_under_load_goes_unhealthy_and_unstarted_requests_re
         while time.monotonic() < deadline:
             began = time.monotonic()
             try:
-                text = await stream_text(c, 8)
+                # Each its own prompt, as different users' are (load on every worker):
+                # identical ones would be one conversation, kept on its home by cache_aware.
+                text = await stream_text(c, 8, prompt=f"x {len(outcomes)} {began}")
                 outcomes.append((began, "ok" if text == expected_text(8) else "truncated"))
             except openai.APIError as e:
                 outcomes.append((began, f"failed: {e}"))

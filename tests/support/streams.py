@@ -7,9 +7,13 @@ import openai
 from vllm_gateway.fake_worker import FakeWorker
 
 
-async def stream_text(c: openai.AsyncOpenAI, max_tokens: int, model: str = "m") -> str:
+async def stream_text(
+    c: openai.AsyncOpenAI, max_tokens: int, model: str = "m", prompt: str = "x"
+) -> str:
     """Stream one completion and return its text, as a client would assemble it."""
-    stream = await c.completions.create(model=model, prompt="x", max_tokens=max_tokens, stream=True)
+    stream = await c.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, stream=True
+    )
     return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
 
