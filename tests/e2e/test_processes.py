@@ -7,16 +7,15 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 
 import pytest
 from aiohttp import web
 
 from tests.conftest import FAST_PROBES
-from vllm_gateway.app import REGISTRY, create_app
+from tests.support.processes import sibling_apps
+from vllm_gateway.app import REGISTRY
 from vllm_gateway.config.gateway import AdminConfig, GatewayConfig, WorkerSpec
-from vllm_gateway.http.server import start_server
-from vllm_gateway.process.siblings import SIBLING_HEADER, is_control, socket_path
+from vllm_gateway.process.siblings import SIBLING_HEADER, is_control
 
 pytestmark = pytest.mark.timeout(40)
 
@@ -47,27 +46,21 @@ async def two_processes(fake_worker):
         probe=FAST_PROBES,
         admin=AdminConfig(token=TOKEN),
     )
-    with tempfile.TemporaryDirectory() as control_dir:
-        servers, seen = [], []
-        for i in range(2):
-            app = create_app(config, process_index=i, process_count=2, control_dir=control_dir)
-            calls: list[tuple[str, bytes, str | None]] = []
+    seen: list[list[tuple[str, bytes, str | None]]] = []
 
-            async def mark(request: web.Request, calls=calls) -> web.Response:
-                calls.append((request.path, await request.read(), request.headers.get("X-A")))
-                return web.json_response({"ok": True})
+    def prepare(i: int, app: web.Application) -> None:
+        calls: list[tuple[str, bytes, str | None]] = []
 
-            app.router.add_post("/admin/mark", mark)
-            app.router.add_delete("/admin/mark", mark)
-            servers.append(
-                await start_server(app, unix_path=socket_path(control_dir, i), shutdown_timeout=1)
-            )
-            seen.append(calls)
-        try:
-            yield worker, servers, seen
-        finally:
-            for s in servers:
-                await s.stop()
+        async def mark(request: web.Request) -> web.Response:
+            calls.append((request.path, await request.read(), request.headers.get("X-A")))
+            return web.json_response({"ok": True})
+
+        app.router.add_post("/admin/mark", mark)
+        app.router.add_delete("/admin/mark", mark)
+        seen.append(calls)
+
+    async with sibling_apps(config, prepare=prepare) as servers:
+        yield worker, servers, seen
 
 
 async def test_a_control_request_reaches_every_process_once(two_processes, http):
@@ -202,31 +195,21 @@ async def test_a_registration_refused_to_a_remote_peer_is_refused_by_every_proce
 
     worker = await fake_worker(models="m")
     config = GatewayConfig(host="0.0.0.0", port=0, probe=FAST_PROBES)
-    with tempfile.TemporaryDirectory() as control_dir:
-        servers = []
-        for i in range(2):
-            app = create_app(config, process_index=i, process_count=2, control_dir=control_dir)
-            servers.append(
-                await start_server(app, unix_path=socket_path(control_dir, i), shutdown_timeout=1)
-            )
-        try:
-            # Every TCP peer counts as remote here (the test reaches 127.0.0.1 only).
-            monkeypatch.setattr(access, "is_loopback", lambda address: False)
-            async with http.post(
-                servers[0].url + "/register_worker", json={"worker_name": worker.url}
-            ) as r:
-                assert r.status == 403, await r.text()
-            for server in servers:
-                assert worker.url not in {w.url for w in server.app[REGISTRY]}
-            # A client cannot claim a loopback origin with a header of its own.
-            async with http.post(
-                servers[0].url + "/register_worker",
-                json={"worker_name": worker.url},
-                headers={"x-gateway-peer": "127.0.0.1", SIBLING_HEADER: "1"},
-            ) as r:
-                assert r.status == 403, await r.text()
-            for server in servers:
-                assert worker.url not in {w.url for w in server.app[REGISTRY]}
-        finally:
-            for s in servers:
-                await s.stop()
+    async with sibling_apps(config) as servers:
+        # Every TCP peer counts as remote here (the test reaches 127.0.0.1 only).
+        monkeypatch.setattr(access, "is_loopback", lambda address: False)
+        async with http.post(
+            servers[0].url + "/register_worker", json={"worker_name": worker.url}
+        ) as r:
+            assert r.status == 403, await r.text()
+        for server in servers:
+            assert worker.url not in {w.url for w in server.app[REGISTRY]}
+        # A client cannot claim a loopback origin with a header of its own.
+        async with http.post(
+            servers[0].url + "/register_worker",
+            json={"worker_name": worker.url},
+            headers={"x-gateway-peer": "127.0.0.1", SIBLING_HEADER: "1"},
+        ) as r:
+            assert r.status == 403, await r.text()
+        for server in servers:
+            assert worker.url not in {w.url for w in server.app[REGISTRY]}

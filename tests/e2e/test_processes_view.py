@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import FAST_PROBES
-from vllm_gateway.app import create_app
+from tests.support.processes import sibling_apps
 from vllm_gateway.config.gateway import GatewayConfig, WorkerSpec
-from vllm_gateway.http.server import start_server
-from vllm_gateway.process.siblings import socket_path
 from vllm_gateway.process.view import merge_expositions
 
 pytestmark = pytest.mark.timeout(30)
@@ -24,18 +20,8 @@ async def two_processes(fake_worker):
     config = GatewayConfig(
         host="127.0.0.1", port=0, workers=(WorkerSpec(url=worker.url),), probe=FAST_PROBES
     )
-    with tempfile.TemporaryDirectory() as control_dir:
-        servers = []
-        for i in range(2):
-            app = create_app(config, process_index=i, process_count=2, control_dir=control_dir)
-            servers.append(
-                await start_server(app, unix_path=socket_path(control_dir, i), shutdown_timeout=1)
-            )
-        try:
-            yield worker, servers
-        finally:
-            for s in servers:
-                await s.stop()
+    async with sibling_apps(config) as servers:
+        yield worker, servers
 
 
 def requests_by_process(text: str) -> dict[str, float]:

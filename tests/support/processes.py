@@ -3,20 +3,55 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
 import sys
+import tempfile
 import time
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from aiohttp import web
+
+from vllm_gateway.app import create_app
+from vllm_gateway.config.gateway import GatewayConfig
 from vllm_gateway.fake_worker import FakeWorker
+from vllm_gateway.http.server import RunningServer, start_server
+from vllm_gateway.process.siblings import socket_path
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def sibling_apps(
+    config: GatewayConfig,
+    count: int = 2,
+    prepare: Callable[[int, web.Application], None] | None = None,
+) -> AsyncIterator[list[RunningServer]]:
+    """`count` gateway apps in this process wired as siblings, as `serve --processes N`
+    runs them (each with its unix control socket); `prepare(i, app)` may add routes to
+    app i before it starts. All are stopped on the way out."""
+    with tempfile.TemporaryDirectory() as control_dir:
+        servers: list[RunningServer] = []
+        try:
+            for i in range(count):
+                app = create_app(
+                    config, process_index=i, process_count=count, control_dir=control_dir
+                )
+                if prepare is not None:
+                    prepare(i, app)
+                path = socket_path(control_dir, i)
+                servers.append(await start_server(app, unix_path=path, shutdown_timeout=1))
+            yield servers
+        finally:
+            for s in servers:
+                await s.stop()
 
 
 class GatewayProcess:
