@@ -127,7 +127,7 @@ def rendezvous_rank(key: int, worker: Worker, seed: int) -> float:
 class _View:
     """The candidates of one request with their loads and speeds: who fits one more."""
 
-    __slots__ = ("candidates", "loads", "per_speed", "speeds", "weighted")
+    __slots__ = ("candidates", "loads", "per_speed", "speeds")
 
     def __init__(
         self, candidates: Sequence[Worker], loads: list[float], speeds: list[float], per: float
@@ -136,7 +136,6 @@ class _View:
         self.loads = loads
         self.speeds = speeds
         self.per_speed = per  # the fair load per unit of speed, this request included
-        self.weighted = sum(1 for x in speeds if x > 0)  # candidates that may be chosen
 
     def fits(self, j: int, extra: float) -> bool:
         """Whether candidate `j` takes one more within its limit,
@@ -266,8 +265,9 @@ class CacheAware:
                 return None
             # The others: each may carry `load_bound` x its fair share, so a preamble with
             # share s needs n x s / load_bound workers, the first of its own order.
-            want = wanted(share, view.weighted, self._bound)
-            if want >= view.weighted:
+            weighted = sum(1 for x in view.speeds if x > 0)  # candidates that may be chosen
+            want = wanted(share, weighted, self._bound)
+            if want >= weighted:
                 return None
             ranks = ranks_for(blocks.preamble, candidates)
             order = sorted(range(n), key=ranks.__getitem__)
