@@ -125,7 +125,8 @@ CONVERSATIONS, TURNS, SYSTEMS, SYSTEM_WORDS = 80, 6, 4, 512
 USER_WORDS, ANSWER_TOKENS, THINK_MEAN = 32, 24, 0.5
 # Prefill per uncached token: a cold last-turn prompt (~850 tokens) then costs about as much
 # as its answer's decode (24 x 20 ms), as for long-context chat; a turn whose history is
-# cached prefills only its new ~60 tokens (~30 ms).
+# cached (the last answer too: the fake caches generated tokens, as vLLM V1 does) prefills
+# only its new user message and the last partial block, ~40 tokens (~20 ms).
 PREFILL_MS_PER_TOKEN = 0.5
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
@@ -175,6 +176,38 @@ async def test_usage_grows_with_generated_tokens(
         late = await usage(http, worker)
         await asyncio.wait_for(resp.read(), 5)
     assert early == pytest.approx(0.1) and late == pytest.approx(0.3)
+
+
+async def test_the_next_turn_finds_the_answer_cached(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    """Generated tokens fill blocks too (vLLM V1): a turn that quotes the last answer
+    hits its full blocks, streamed (chat) or not (completions)."""
+    worker = await fake_worker(**FAST)
+    user = {"role": "user", "content": words(40)}  # 2 full blocks + 8 tokens
+    body = {"model": "fake-model", "messages": [user], "max_tokens": 40, "stream": True}
+    answer = ""
+    async with http.post(worker.url + "/v1/chat/completions", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                delta = orjson.loads(line[6:])["choices"][0]["delta"]
+                answer += delta.get("content") or ""
+    assert answer.split()[0] == "w0" and len(answer.split()) == 40
+    # 8 + 39 computed tokens after the prompt's blocks: 2 more full blocks (the last
+    # token's KV is never computed).
+    _, before = await counters(http, worker)
+    turn = [user, {"role": "assistant", "content": answer}, {"role": "user", "content": "next"}]
+    async with http.post(
+        worker.url + "/v1/chat/completions",
+        json={"model": "fake-model", "messages": turn, "max_tokens": 2},
+    ) as resp:
+        assert resp.status == 200
+    assert (await counters(http, worker))[1] - before == 64
+    prompt = words(40, "c")
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 40}
+    async with http.post(worker.url + "/v1/completions", json=body) as resp:
+        text = (await resp.json())["choices"][0]["text"]
+    assert await hits_of(http, worker, prompt + text + " more") == 64
 
 
 async def test_prefill_time_grows_with_uncached_tokens(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from vllm_gateway.fake_worker.prefix_cache import PrefixCache, block_hashes
-from vllm_gateway.fake_worker.tokens import prompt_token_ids
+from vllm_gateway.fake_worker.protocol import output_text
+from vllm_gateway.fake_worker.tokens import answer_token_ids, prompt_token_ids
 
 
 def test_chained_hashes_share_exactly_the_common_aligned_prefix() -> None:
@@ -51,3 +52,44 @@ def test_tokenizer_counts_words_and_folds_roles_into_ids() -> None:
     assert prompt_token_ids({"prompt": [5, 6, 7]}) == [5, 6, 7]
     assert prompt_token_ids({"prompt": "x y"}) == prompt_token_ids({"prompt": ["x", "y"]})
     assert prompt_token_ids({"prompt": ""}) == [0]  # never an empty prompt
+
+
+def test_generated_tokens_fill_blocks_that_a_later_prompt_hits() -> None:
+    cache = PrefixCache(block_size=4, capacity=100)
+    prompt, answer = list(range(6)), [50, 51, 52, 53, 54]
+    seq = cache.admit("m", prompt)
+    cache.commit(seq)  # one full prompt block; tokens 4, 5 wait in the tail
+    for i in range(len(answer)):  # making token i computes token i-1's KV
+        cache.grow(seq, len(prompt) + i + 1, answer[i - 1 : i] if i else ())
+    assert cache.blocks_cached == 2  # prompt block + [4, 5, 50, 51]; [52, 53] still partial
+    cache.release(seq)
+    later = cache.admit("m", prompt + answer + [60, 61, 62])
+    assert later.hit_tokens == 8  # the next turn finds the answer's full block
+    # The answer's last token never had its KV computed: no block ends with it.
+    assert block_hashes("m", prompt + answer[:2], 4)[1] in cache._refs
+    cache.release(later)
+
+
+def test_a_generated_block_another_sequence_cached_is_shared() -> None:
+    cache = PrefixCache(block_size=4, capacity=100)
+    first = cache.admit("m", [1, 2])
+    cache.commit(first)
+    cache.grow(first, 5, [3, 4])  # fills [1, 2, 3, 4]
+    other = cache.admit("m", [1, 2, 3, 4, 9])  # hits it, and holds its own tail
+    assert other.hit_tokens == 4
+    second = cache.admit("m", [1, 2])
+    cache.commit(second)
+    cache.grow(second, 5, [3, 4])  # the same block: shared, not cached twice
+    assert cache.blocks_cached == 1
+    assert cache.blocks_in_use == 1 + 1 + 1 + 1  # shared block + each sequence's partial one
+    for seq in (first, other, second):
+        cache.release(seq)
+    assert cache.blocks_in_use == 0 and cache.blocks_cached == 1
+
+
+def test_answer_token_ids_are_the_answer_as_a_later_prompt_quotes_it() -> None:
+    text = output_text(5)
+    chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text}]}
+    assert prompt_token_ids(chat)[1:] == list(answer_token_ids(5, "assistant"))
+    assert prompt_token_ids({"prompt": "hi" + text})[1:] == list(answer_token_ids(5))
+    assert answer_token_ids(5)[1:] == answer_token_ids(5, "assistant")[1:]

@@ -20,7 +20,11 @@ from vllm_gateway.fake_worker.config import FakeWorkerConfig, Fault
 from vllm_gateway.fake_worker.engine import Engine
 from vllm_gateway.fake_worker.faults import BodyWriter, StreamEnded, before_headers, send_body
 from vllm_gateway.fake_worker.stats import RequestRecord
-from vllm_gateway.fake_worker.tokens import prompt_token_ids, responses_token_ids
+from vllm_gateway.fake_worker.tokens import (
+    answer_token_ids,
+    prompt_token_ids,
+    responses_token_ids,
+)
 
 CALL = web.RequestKey("fake_call", object)
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
@@ -114,9 +118,12 @@ class OpenAIApi:
         rid = p.request_id("chatcmpl" if chat else "cmpl", request.headers.get("X-Request-Id"))
         fault = call.fault
         huge = int(fault.param or 0) if fault and fault.name == "huge_event" else 0
+        # The ids a next turn quoting the answer would have; not for n > 1 choices (which
+        # one would it quote?) nor a fault that changes the text.
+        answer = () if huge or choices > 1 else answer_token_ids(n, "assistant" if chat else "")
         await before_headers(fault)
         if not stream:
-            await self.engine.generate(call.arrival, model, token_ids, n, None)
+            await self.engine.generate(call.arrival, model, token_ids, n, None, answer)
             text = "x" * huge + p.output_text(n)
             make = p.chat_body if chat else p.completion_body
             lp = p.answer_logprobs(n, logprobs, chat)
@@ -139,7 +146,7 @@ class OpenAIApi:
 
         usage = [formats[0].usage(prompt, n * choices)] if include_usage else []
         done = [*usage, p.DONE]
-        return await self._stream(request, call, model, (token_ids, n), events, done)
+        return await self._stream(request, call, model, (token_ids, n, answer), events, done)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """/v1/responses: OpenAI's Responses API as vLLM serves it, streamed or not."""
@@ -150,28 +157,31 @@ class OpenAIApi:
         stream, _ = p.stream_flags(body)
         fmt = r.ResponseFormat(request.headers.get("X-Request-Id"), model, body, prompt, n)
         text = p.output_text(n)
+        answer = answer_token_ids(n, "assistant")
         await before_headers(call.fault)
         if not stream:
-            await self.engine.generate(call.arrival, model, token_ids, n, None)
+            await self.engine.generate(call.arrival, model, token_ids, n, None, answer)
             return await self._reply(request, call, fmt.body(text, n))
 
         def events(i: int) -> list[bytes]:
             return [*fmt.opening(), fmt.delta(i)] if i == 0 else [fmt.delta(i)]
 
-        return await self._stream(request, call, model, (token_ids, n), events, fmt.closing, text)
+        size = (token_ids, n, answer)
+        return await self._stream(request, call, model, size, events, fmt.closing, text)
 
     async def _stream(
         self,
         request: web.Request,
         call: Call,
         model: str,
-        size: tuple[list[int], int],
+        size: tuple[list[int], int, tuple[int, ...]],
         events: Callable[[int], list[bytes]],
         closing: list[bytes] | Callable[[str, int], list[bytes]],
         text: str = "",
     ) -> web.StreamResponse:
         """Answer as an event stream: `events(i)` as token i is made, then `closing` (or
-        what it makes of the whole text); `size` is (prompt token ids, answer tokens)."""
+        what it makes of the whole text); `size` is (prompt token ids, answer tokens, their
+        ids as a later prompt quotes them)."""
         # Like vLLM (Starlette), the status line goes out at once, before the queue.
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)
@@ -181,9 +191,9 @@ class OpenAIApi:
             for event in events(i):
                 await out.event(resp, event)
 
-        token_ids, n = size
+        token_ids, n, answer = size
         try:
-            await self.engine.generate(call.arrival, model, token_ids, n, on_token)
+            await self.engine.generate(call.arrival, model, token_ids, n, on_token, answer)
             for event in closing if isinstance(closing, list) else closing(text, n):
                 await out.event(resp, event)
         except StreamEnded:

@@ -41,14 +41,16 @@ class Engine:
         prompt: list[int],
         n: int,
         on_token: Callable[[int], Awaitable[None]] | None,
+        answer: tuple[int, ...] = (),
     ) -> None:
         """Wait for a slot, prefill, then make n tokens at one per tpot.
 
         Prefill is the prompt's uncached tokens on the worker's shared prefill lane,
-        then ttft. `prompt` is the token ids. `on_token(i)` runs as token i is made,
-        still holding the slot (a stalled writer keeps its sequence in the batch, as in
-        vLLM). `arrival` is the loop.time() the request came in, for the TTFT and
-        latency histograms.
+        then ttft. `prompt` is the token ids; `answer`, when given, the ids of the n
+        tokens made, which the cache keeps as their blocks fill (prefix_cache.py).
+        `on_token(i)` runs as token i is made, still holding the slot (a stalled writer
+        keeps its sequence in the batch, as in vLLM). `arrival` is the loop.time() the
+        request came in, for the TTFT and latency histograms.
         """
         loop = asyncio.get_running_loop()
         ttft, tpot = self.config.ttft_ms / 1000, self.config.tpot_ms / 1000
@@ -69,7 +71,8 @@ class Engine:
                     await _sleep_until(start + ttft)
                     first = loop.time()
                     m.ttft.observe(first - arrival)
-                    cache.grow(seq, len(prompt) + n)  # the whole answer's blocks at once
+                    # The whole answer's blocks at once; the last token's KV is never computed.
+                    cache.grow(seq, len(prompt) + n, answer[: n - 1])
                     await _sleep_until(start + ttft + (n - 1) * tpot)
                     m.generation_tokens += n
                 else:
@@ -79,7 +82,8 @@ class Engine:
                             first = loop.time()
                             m.ttft.observe(first - arrival)
                         m.generation_tokens += 1
-                        cache.grow(seq, len(prompt) + i + 1)
+                        # Making token i computes token i-1's KV (none for i == 0).
+                        cache.grow(seq, len(prompt) + i + 1, answer[i - 1 : i] if i else ())
                         await on_token(i)
             finally:
                 if seq is not None:

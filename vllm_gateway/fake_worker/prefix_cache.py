@@ -12,10 +12,13 @@ Pure bookkeeping (no asyncio, no clock), shaped after vLLM V1's KV-cache manager
 - A running sequence pins its blocks: the cached ones it hit, and blocks for the rest
   of its prompt and for every token it generates. The new full prompt blocks become
   visible to other requests only once computed (`commit`, after prefill), as in vLLM,
-  where blocks are cached at the end of the step that fills them. Generated tokens and
-  a partial last block are held without a hash: they count toward usage and are freed
-  when the sequence ends (vLLM would cache full generated blocks too; the fake's
-  answers are not a later prompt's text, so they could never hit).
+  where blocks are cached at the end of the step that fills them.
+- Generated tokens extend the same chain, as in vLLM V1: `grow` is told which new
+  tokens' KV is computed (a token's KV is computed in the step after it is sampled, so
+  the answer's last token never is), and each block they fill is published under its
+  chained hash. The next turn of a conversation, whose prompt quotes the answer, then
+  hits the answer's full blocks where the answer was made. A partial last block is
+  held without a hash: it counts toward usage and is freed when the sequence ends.
 - A block no running sequence uses stays cached, in LRU order, until space is needed.
   Released sequences give their blocks back tail first, so a prompt's tail is evicted
   before its head (as vLLM's free queue does).
@@ -31,10 +34,15 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
+def _seed(model: str) -> int:
+    """The chain's root: blocks of different models never share a hash."""
+    return zlib.crc32(model.encode())
+
+
 def block_hashes(model: str, token_ids: list[int], block_size: int) -> list[int]:
     """Chained hashes of the prompt's full blocks: hash(parent, block tokens)."""
     # Tuples of ints hash the same in every process (only str/bytes hashes are salted).
-    parent = zlib.crc32(model.encode())
+    parent = _seed(model)
     out = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[start : start + block_size])))
@@ -51,6 +59,8 @@ class Sequence:
     private: int  # blocks held without a hash: pending ones, a partial block, generated tokens
     tokens: int  # tokens the sequence holds (prompt + generated so far)
     hit_tokens: int  # prompt tokens found in the cache at admission
+    parent: int  # chained hash of the last full block (the model's seed before any)
+    tail: list[int]  # computed token ids after that block, fewer than a block
     released: bool = field(default=False)
 
     @property
@@ -110,6 +120,8 @@ class PrefixCache:
             private=0,
             tokens=len(token_ids),
             hit_tokens=hit * size,
+            parent=hashes[-1] if hashes else _seed(model),
+            tail=token_ids[len(hashes) * size :],
         )
         self._hold(seq, -(-len(token_ids) // size) - hit)
         return seq
@@ -117,21 +129,23 @@ class PrefixCache:
     def commit(self, seq: Sequence) -> None:
         """The prompt is computed: its full blocks become cached and visible to others."""
         for h in seq.pending:
-            seq.private -= 1
-            self._private -= 1
-            if h in self._refs:  # computed meanwhile by another sequence: share theirs
-                self._pin(h)
-            else:
-                self._refs[h] = 1
-            seq.pinned.append(h)
+            self._publish(seq, h)
         seq.pending = []
 
-    def grow(self, seq: Sequence, tokens: int) -> None:
-        """The sequence now holds `tokens` tokens: hold blocks for the new ones."""
+    def grow(self, seq: Sequence, tokens: int, computed: list[int] | tuple[int, ...] = ()) -> None:
+        """The sequence now holds `tokens` tokens: hold blocks for the new ones, and
+        publish each block that the newly `computed` token ids (in order) fill."""
         size = self.block_size
         have = -(-seq.tokens // size)
         seq.tokens = max(seq.tokens, tokens)
         self._hold(seq, -(-seq.tokens // size) - have)
+        tail = seq.tail
+        for token in computed:
+            tail.append(token)
+            if len(tail) == size:
+                seq.parent = hash((seq.parent, tuple(tail)))
+                self._publish(seq, seq.parent)
+                tail.clear()
 
     def release(self, seq: Sequence) -> None:
         """The sequence ended (finished or aborted): unpin its blocks, free the rest."""
@@ -148,6 +162,16 @@ class PrefixCache:
         self._evict(0)
 
     # --- the pool ----------------------------------------------------------------------
+
+    def _publish(self, seq: Sequence, h: int) -> None:
+        """One of the sequence's private blocks is computed: cache it under `h`."""
+        seq.private -= 1
+        self._private -= 1
+        if h in self._refs:  # computed meanwhile by another sequence: share theirs
+            self._pin(h)
+        else:
+            self._refs[h] = 1
+        seq.pinned.append(h)
 
     def _pin(self, h: int) -> None:
         self._refs[h] += 1
