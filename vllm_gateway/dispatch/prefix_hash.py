@@ -76,14 +76,21 @@ def _chat(messages: list[Any]) -> tuple[bytes, int, int] | None:
         if isinstance(m, dict) and m.get("role") == "user":
             key = i + 1
             break
+    whole = key == len(messages)
     try:
         data = orjson.dumps(messages)
-        # The JSON of the first k messages is a prefix of the whole, but for its "]".
-        key_end = len(data) - 1 if key == len(messages) else len(orjson.dumps(messages[:key])) - 1
-        preamble_end = len(orjson.dumps(messages[: key - 1])) - 1 if key > 1 else 0
+        # The JSON of the first k messages is the whole's prefix but for its "]": "[", then
+        # the messages joined by ",", so it ends at k + their lengths summed. Each of the
+        # key's messages is dumped once more (not the key and the preamble, each whole).
+        end = 0
+        ends = [0]
+        for m in messages[: key - 1 if whole else key]:
+            end += len(orjson.dumps(m)) + 1
+            ends.append(end)
     except TypeError:  # e.g. an integer beyond 64 bits: not worth hashing
         return None
-    return data, preamble_end, key_end
+    key_end = len(data) - 1 if whole else ends[key]
+    return data, ends[key - 1], key_end
 
 
 def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
@@ -103,11 +110,12 @@ def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
     size = BLOCK_BYTES
     first = key_end // size
     end = min(len(data) // size, first + MAX_BLOCKS)
-    key = zlib.crc32(data[:key_end])
+    # The key's CRC goes on from the preamble's (CRC-32 chains): its bytes are read once.
+    preamble = zlib.crc32(data[:preamble_end]) if preamble_end else 0
+    key = zlib.crc32(data[preamble_end:key_end], preamble)
     blocks = [key]
     h = key
     for start in range(first * size, end * size, size):
         h = hash((h, data[start : start + size]))
         blocks.append(h)
-    preamble = zlib.crc32(data[:preamble_end]) if preamble_end else 0
     return PrefixBlocks(key, first, blocks, preamble)

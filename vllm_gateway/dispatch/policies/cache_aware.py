@@ -203,14 +203,19 @@ class CacheAware:
         shares: _Shares,
         info: RequestInfo,
     ) -> Worker | None:
+        # One pass over the candidates (this runs for every request, 64 workers or more).
         loads = []
+        speeds = []
         best_pace = 0.0
         for w in candidates:
             loads.append(load(w))
-            if w.pace > best_pace:
-                best_pace = w.pace
-        best_pace = best_pace or 1.0
-        speeds = [(w.pace or best_pace) * w.weight for w in candidates]
+            pace = w.pace
+            if pace > best_pace:
+                best_pace = pace
+            speeds.append(pace * w.weight)
+        if 0.0 in speeds:  # a worker without a pace yet counts with the best one
+            best_pace = best_pace or 1.0
+            speeds = [(w.pace or best_pace) * w.weight for w in candidates]
         total_speed = sum(speeds)
         if not 0 < total_speed < math.inf:  # all of weight 0 (or nonsense): by load alone
             return self._fallback.select(candidates, info)
@@ -223,8 +228,8 @@ class CacheAware:
         held = HISTORY_SLACK * (self._bound - 1.0)
         holders, _ = self.index.deepest(blocks.blocks, candidates)
         if holders:
-            ids = {id(w) for w in holders}
-            among = [i for i, w in enumerate(candidates) if id(w) in ids]
+            # Few holders (a conversation's history is on one worker or two): a C scan each.
+            among = [candidates.index(w) for w in holders]
             best = self._home(blocks.key, among, view, held)
             if best is not None:
                 return best
