@@ -360,6 +360,51 @@ def test_a_hot_home_sheds_new_conversations_within_the_bound():
     assert p.select(ws, info(chat("the same first question", "answer", "next"))) is home
 
 
+@pytest.mark.parametrize(
+    ("capacity", "max_num_seqs", "stays"),
+    [
+        (16.0, 0, True),  # the gate learned its capacity and let it through: a free slot
+        (0.0, 16, True),  # declared in the configuration: the same
+        (0.0, 0, False),  # nothing known: the gate is open, the history bound is all
+    ],
+)
+def test_a_history_past_its_bound_stays_while_its_holder_has_a_free_slot(
+    capacity, max_num_seqs, stays
+):
+    """Moving a history prefills all of it again elsewhere; a holder the capacity gate
+    lets through has a batch slot free, so the turn waits for nothing there."""
+    ws = workers(4)
+    for w in ws:
+        w.capacity, w.max_num_seqs = capacity, max_num_seqs
+    p = policy()
+    turn = chat("the same first question", "answer", "next")
+    home = p.select(ws, info(chat("the same first question")))
+    home.inflight = 30  # far past the history bound (fair ~9 with the others at 2)
+    for w in ws:
+        if w is not home:
+            w.inflight = 2
+    assert (p.select(ws, info(turn)) is home) is stays
+    # Full (the gate leaves it out of the candidates): the turn goes elsewhere.
+    assert p.select([w for w in ws if w is not home], info(turn)) is not home
+
+
+def test_a_history_held_twice_past_the_bound_goes_to_the_less_loaded_holder():
+    ws = workers(4)
+    for w in ws:
+        w.capacity = 16.0
+    p = policy()
+    first = chat("q " * 300)
+    a = p.select(ws, info(first))
+    b = p.select([w for w in ws if w is not a], info(first))  # a was full once
+    a.inflight, b.inflight = 40, 30
+    for w in ws:
+        if w not in (a, b):
+            w.inflight = 0
+    assert p.select(ws, info(chat("q " * 300, "answer", "next"))) is b
+    a.inflight, b.inflight = 30, 40
+    assert p.select(ws, info(chat("q " * 300, "answer", "next"))) is a
+
+
 def test_history_wins_over_the_rendezvous_home():
     ws = workers(4)
     p = policy()

@@ -8,9 +8,11 @@ wait; what is left to weigh is the prefill saved against the balance given up:
 1. **History** (the prefill saved is large): the candidates that were sent this
    conversation's earlier turns hold its history, which only its own turns share
    (prefix_index.py: the conversation key, then the blocks after it). Of those holding
-   the most, the first in the key's rendezvous order takes it, unless its load is past a
-   looser bound (`HISTORY_SLACK`): there the history is prefilled again elsewhere rather
-   than pile onto one worker.
+   the most, the first in the key's rendezvous order within a looser bound
+   (`HISTORY_SLACK`); past it on all of them, the least loaded holder whose capacity the
+   gate knows (a candidate, so a batch slot is free: the turn waits for nothing there,
+   and elsewhere it would prefill its whole history again). Only when every holder is
+   full, or none has a known capacity, is the history prefilled again elsewhere.
 2. **Otherwise** (a new conversation, or its history is not known here): the first
    worker in the key's rendezvous order whose load stays within the load bound, among
    the workers its preamble needs. The key is the conversation's stable start
@@ -152,6 +154,22 @@ class _View:
             return False
 
 
+def _holder_with_room(among: list[int], view: _View) -> Worker | None:
+    """The history's holders are all past the history bound, but the capacity gate let
+    them through: each has a free batch slot as far as the gateway knows, so the turn
+    waits for nothing there, where anywhere else it would prefill its whole history
+    again. The least loaded of them for its speed; None when the gate knows no holder's
+    capacity (it is open then: nothing else bounds what piles onto a holder)."""
+    best: Worker | None = None
+    best_load = math.inf
+    for j in among:
+        w = view.candidates[j]
+        speed = view.speeds[j]
+        if (w.max_num_seqs or w.capacity) and speed > 0 and view.loads[j] / speed < best_load:
+            best, best_load = w, view.loads[j] / speed
+    return best
+
+
 class CacheAware:
     """History where it is, else the conversation's rendezvous home within the bound."""
 
@@ -230,7 +248,7 @@ class CacheAware:
         if holders:
             # Few holders (a conversation's history is on one worker or two): a C scan each.
             among = [candidates.index(w) for w in holders]
-            best = self._home(blocks.key, among, view, held)
+            best = self._home(blocks.key, among, view, held) or _holder_with_room(among, view)
             if best is not None:
                 return best
         # A worker that holds the preamble keeps new conversations within the history's
