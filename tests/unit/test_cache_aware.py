@@ -69,6 +69,21 @@ def test_the_key_is_a_conversations_stable_start(a, b, same_key):
     assert (ka.key == kb.key) is same_key
 
 
+@pytest.mark.parametrize(
+    ("doc", "continued"),
+    [
+        (chat("first"), False),
+        (chat("first", "answer", "next"), True),
+        (chat("first", "answer"), True),  # an answer to continue: its history was sent
+        ({"messages": [{"role": "system", "content": "only a system prompt"}]}, False),
+        ({"prompt": "a completion prompt " * 100}, False),
+    ],
+)
+def test_a_later_turn_is_told_from_a_first(doc, continued):
+    blocks = prefix_blocks(doc)
+    assert blocks is not None and blocks.continued is continued
+
+
 def test_the_key_hash_is_the_same_in_every_process():
     """CRC-32 of the key, not Python's salted hash() of text."""
     p = prefix_blocks({"prompt": "z" * (KEY_BYTES + 3 * BLOCK_BYTES)})
@@ -403,6 +418,30 @@ def test_a_history_held_twice_past_the_bound_goes_to_the_less_loaded_holder():
     assert p.select(ws, info(chat("q " * 300, "answer", "next"))) is b
     a.inflight, b.inflight = 30, 40
     assert p.select(ws, info(chat("q " * 300, "answer", "next"))) is a
+
+
+def test_a_later_turn_another_replica_placed_goes_to_its_home_past_this_replicas_bound():
+    """Replicas share no index: a turn whose history the other replica placed goes to the
+    home every replica computes from the request, gated by capacity only, since the load
+    bound reads each replica's own in-flight view and would differ between them."""
+    a_ws, b_ws = workers(4), workers(4)  # the same URLs, each replica its own view
+    for w in a_ws + b_ws:
+        w.capacity = 16.0
+    a, b = policy(), policy()
+    home = a_ws.index(a.select(a_ws, info(chat("the same first question"))))
+    b_ws[home].inflight = 30  # in replica b's view, far past the bound
+    later = chat("the same first question", "answer", "next")
+    assert b.select(b_ws, info(later)) is b_ws[home]
+    # A new conversation with that home is shed in the same view...
+    fresh = [chat(f"first question {i}") for i in range(40)]
+    homes_in_a = [a_ws.index(policy().select(a_ws, info(doc))) for doc in fresh]
+    shed = [doc for doc, h in zip(fresh, homes_in_a, strict=True) if h == home]
+    assert shed and all(b.select(b_ws, info(doc)) is not b_ws[home] for doc in shed)
+    # ...and without a known capacity (the gate is open) the bound decides for a later
+    # turn too.
+    for w in b_ws:
+        w.capacity = 0.0
+    assert policy().select(b_ws, info(later)) is not b_ws[home]
 
 
 def test_history_wins_over_the_rendezvous_home():

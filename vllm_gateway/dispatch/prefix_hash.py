@@ -56,19 +56,25 @@ class PrefixBlocks:
     the key and everything up to the end of block `first + i - 1`: each stands for a
     whole prefix."""
 
-    __slots__ = ("blocks", "first", "key", "preamble")
+    __slots__ = ("blocks", "continued", "first", "key", "preamble")
 
-    def __init__(self, key: int, first: int, blocks: list[int], preamble: int = 0) -> None:
+    def __init__(
+        self, key: int, first: int, blocks: list[int], preamble: int = 0, continued: bool = False
+    ) -> None:
         self.key = key  # CRC-32 of the key: the same in every process
         self.first = first  # blocks wholly inside the key (not hashed one by one)
         self.blocks = blocks  # the key's hash, then the chained hashes of the blocks after
         self.preamble = preamble  # CRC-32 of the preamble; 0: none
+        # A later turn of a chat: messages follow the first user message (its history was
+        # sent somewhere before, by this process or another replica).
+        self.continued = continued
 
 
-def _chat(messages: list[Any]) -> tuple[bytes, int, int] | None:
+def _chat(messages: list[Any]) -> tuple[bytes, int, int, bool] | None:
     """The messages as bytes (their JSON, as orjson writes it: the same messages always
     give the same bytes, whatever the client's spacing), where the preamble (the messages
-    before the first user message) ends in them, and where the key ends."""
+    before the first user message) ends in them, where the key ends, and whether messages
+    follow the key (a later turn)."""
     if not messages:
         return None
     key = len(messages)  # no user message: all of it is the key
@@ -90,7 +96,7 @@ def _chat(messages: list[Any]) -> tuple[bytes, int, int] | None:
     except TypeError:  # e.g. an integer beyond 64 bits: not worth hashing
         return None
     key_end = len(data) - 1 if whole else ends[key]
-    return data, ends[key - 1], key_end
+    return data, ends[key - 1], key_end, not whole
 
 
 def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
@@ -100,13 +106,13 @@ def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
         prompt = prompt[0] if prompt and isinstance(prompt[0], str) else None
     if isinstance(prompt, str):
         data = prompt.encode()
-        key_end, preamble_end = min(len(data), KEY_BYTES), 0
+        key_end, preamble_end, continued = min(len(data), KEY_BYTES), 0, False
     else:
         messages = doc.get("messages")
         found = _chat(messages) if isinstance(messages, list) else None
         if found is None:
             return None
-        data, preamble_end, key_end = found
+        data, preamble_end, key_end, continued = found
     size = BLOCK_BYTES
     first = key_end // size
     end = min(len(data) // size, first + MAX_BLOCKS)
@@ -118,4 +124,4 @@ def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
     for start in range(first * size, end * size, size):
         h = hash((h, data[start : start + size]))
         blocks.append(h)
-    return PrefixBlocks(key, first, blocks, preamble)
+    return PrefixBlocks(key, first, blocks, preamble, continued)

@@ -18,7 +18,10 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    the workers its preamble needs. The key is the conversation's stable start
    (prefix_hash.py: the messages up to the first user message), so every turn of a
    conversation, and every replica of the gateway, gets the same home without sharing
-   any state. The preamble (the system prompt) is shared by many conversations: they go
+   any state. A later turn whose history this process does not know (another replica
+   placed it) takes that home past the load bound while the gate lets it through: the
+   bound reads this replica's own in-flight view, which the other's does not share.
+   The preamble (the system prompt) is shared by many conversations: they go
    to the first `ceil(workers x its share of recent requests / load_bound)` workers in
    the preamble's own rendezvous order (each worker may carry `load_bound` times its fair
    share; all of them for a preamble with most of the traffic), so each worker caches
@@ -254,10 +257,16 @@ class CacheAware:
         # A worker that holds the preamble keeps new conversations within the history's
         # bound too: sent elsewhere, the preamble is prefilled again, as a history would be.
         extra = (self._bound - 1.0, held, blocks.preamble)
-        best = self._preamble_home(view, blocks, share, shares, extra)
+        # A later turn this process has no history for: another replica (or a moment when
+        # its holders were full) placed its earlier turns, most likely on the first choice
+        # below, which every replica computes alike from the request; only the load
+        # bound, read from each replica's own in-flight view, differs between them. So
+        # there the bound gives way to the capacity gate, as it does for a known history.
+        sticky = blocks.continued
+        best = self._preamble_home(view, blocks, share, shares, extra, sticky)
         if best is not None:
             return best
-        best = self._home(blocks.key, range(len(candidates)), view, extra)
+        best = self._home(blocks.key, range(len(candidates)), view, extra, sticky)
         if best is not None:
             return best
         # Nobody within the bound (only where a figure is not finite): by load alone.
@@ -270,9 +279,10 @@ class CacheAware:
         share: float,
         shares: _Shares,
         extra: tuple[float, float, int],
+        sticky: bool = False,
     ) -> Worker | None:
         """A new conversation among the workers its preamble needs, or its overflow worker;
-        None when the preamble needs every worker."""
+        None when the preamble needs every worker. `sticky`: see `_home`."""
         candidates = view.candidates
         n = len(candidates)
         ranks_for = self._ranks_for
@@ -295,7 +305,7 @@ class CacheAware:
             ranks = ranks_for(blocks.preamble, candidates)
             order = sorted(range(n), key=ranks.__getitem__)
             planned = order[:want]
-        best = self._home(blocks.key, planned, view, extra)
+        best = self._home(blocks.key, planned, view, extra, sticky)
         if best is not None:
             return best
         # All of them past the bound: the preamble's next worker in its own order that
@@ -312,20 +322,27 @@ class CacheAware:
         return None
 
     def _home(
-        self, key: int, among: Iterable[int], view: _View, extra: float | tuple[float, float, int]
+        self,
+        key: int,
+        among: Iterable[int],
+        view: _View,
+        extra: float | tuple[float, float, int],
+        sticky: bool = False,
     ) -> Worker | None:
         """Of the candidates at indexes `among`, the first in the key's rendezvous order
         within its load limit (`_View.fits`; `extra`: a number, or (extra, for holders of
-        the preamble, the preamble))."""
+        the preamble, the preamble)). `sticky`: a candidate whose capacity the gate knows
+        needs no more than being a candidate (a batch slot is free)."""
         best: Worker | None = None
         best_rank = math.inf
         seeds = self._seeds
         candidates = view.candidates
         for j in among:
-            e = extra if isinstance(extra, float) else self._slack(j, candidates, extra)
-            if not view.fits(j, e):
-                continue
             w = candidates[j]
+            if not (sticky and (w.max_num_seqs or w.capacity)):
+                e = extra if isinstance(extra, float) else self._slack(j, candidates, extra)
+                if not view.fits(j, e):
+                    continue
             seed = seeds.get(w.url)
             if seed is None:
                 seed = seeds[w.url] = zlib.crc32(w.url.encode())
