@@ -182,8 +182,9 @@ async def test_the_next_turn_finds_the_answer_cached(
     fake_worker: MakeWorker, http: aiohttp.ClientSession
 ) -> None:
     """Generated tokens fill blocks too (vLLM V1): a turn that quotes the last answer
-    hits its full blocks, streamed (chat) or not (completions)."""
-    worker = await fake_worker(**FAST)
+    hits its full blocks, streamed (chat) or not (completions). Not without a capacity:
+    nothing would ever evict them."""
+    worker = await fake_worker(num_gpu_blocks=1000, **FAST)
     user = {"role": "user", "content": words(40)}  # 2 full blocks + 8 tokens
     body = {"model": "fake-model", "messages": [user], "max_tokens": 40, "stream": True}
     answer = ""
@@ -208,6 +209,10 @@ async def test_the_next_turn_finds_the_answer_cached(
     async with http.post(worker.url + "/v1/completions", json=body) as resp:
         text = (await resp.json())["choices"][0]["text"]
     assert await hits_of(http, worker, prompt + text + " more") == 64
+    unbounded = await fake_worker(**FAST)
+    async with http.post(unbounded.url + "/v1/completions", json=body) as resp:
+        assert (await resp.json())["choices"][0]["text"] == text
+    assert await hits_of(http, unbounded, prompt + text + " more") == 32  # the prompt's only
 
 
 async def test_prefill_time_grows_with_uncached_tokens(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from vllm_gateway.fake_worker.prefix_cache import PrefixCache, block_hashes
 from vllm_gateway.fake_worker.protocol import output_text
-from vllm_gateway.fake_worker.tokens import answer_token_ids, prompt_token_ids
+from vllm_gateway.fake_worker.tokens import answer_token_id, prompt_token_ids
 
 
 def test_chained_hashes_share_exactly_the_common_aligned_prefix() -> None:
@@ -90,6 +90,8 @@ def test_a_generated_block_another_sequence_cached_is_shared() -> None:
 def test_answer_token_ids_are_the_answer_as_a_later_prompt_quotes_it() -> None:
     text = output_text(5)
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text}]}
-    assert prompt_token_ids(chat)[1:] == list(answer_token_ids(5, "assistant"))
-    assert prompt_token_ids({"prompt": "hi" + text})[1:] == list(answer_token_ids(5))
-    assert answer_token_ids(5)[1:] == answer_token_ids(5, "assistant")[1:]
+    said = [answer_token_id(i, "assistant") for i in range(5)]
+    plain = [answer_token_id(i) for i in range(5)]
+    assert prompt_token_ids(chat)[1:] == said
+    assert prompt_token_ids({"prompt": "hi" + text})[1:] == plain
+    assert said[0] != plain[0] and said[1:] == plain[1:]

@@ -20,11 +20,7 @@ from vllm_gateway.fake_worker.config import FakeWorkerConfig, Fault
 from vllm_gateway.fake_worker.engine import Engine
 from vllm_gateway.fake_worker.faults import BodyWriter, StreamEnded, before_headers, send_body
 from vllm_gateway.fake_worker.stats import RequestRecord
-from vllm_gateway.fake_worker.tokens import (
-    answer_token_ids,
-    prompt_token_ids,
-    responses_token_ids,
-)
+from vllm_gateway.fake_worker.tokens import prompt_token_ids, responses_token_ids
 
 CALL = web.RequestKey("fake_call", object)
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
@@ -118,9 +114,9 @@ class OpenAIApi:
         rid = p.request_id("chatcmpl" if chat else "cmpl", request.headers.get("X-Request-Id"))
         fault = call.fault
         huge = int(fault.param or 0) if fault and fault.name == "huge_event" else 0
-        # The ids a next turn quoting the answer would have; not for n > 1 choices (which
-        # one would it quote?) nor a fault that changes the text.
-        answer = () if huge or choices > 1 else answer_token_ids(n, "assistant" if chat else "")
+        # The role a next turn quoting the answer gives it (its blocks are cached under those
+        # ids); none for n > 1 choices (which would it quote?) or a fault that changes it.
+        answer = None if huge or choices > 1 else ("assistant" if chat else "")
         await before_headers(fault)
         if not stream:
             await self.engine.generate(call.arrival, model, token_ids, n, None, answer)
@@ -157,7 +153,7 @@ class OpenAIApi:
         stream, _ = p.stream_flags(body)
         fmt = r.ResponseFormat(request.headers.get("X-Request-Id"), model, body, prompt, n)
         text = p.output_text(n)
-        answer = answer_token_ids(n, "assistant")
+        answer = "assistant"
         await before_headers(call.fault)
         if not stream:
             await self.engine.generate(call.arrival, model, token_ids, n, None, answer)
@@ -174,14 +170,14 @@ class OpenAIApi:
         request: web.Request,
         call: Call,
         model: str,
-        size: tuple[list[int], int, tuple[int, ...]],
+        size: tuple[list[int], int, str | None],
         events: Callable[[int], list[bytes]],
         closing: list[bytes] | Callable[[str, int], list[bytes]],
         text: str = "",
     ) -> web.StreamResponse:
         """Answer as an event stream: `events(i)` as token i is made, then `closing` (or
-        what it makes of the whole text); `size` is (prompt token ids, answer tokens, their
-        ids as a later prompt quotes them)."""
+        what it makes of the whole text); `size` is (prompt token ids, answer tokens, the
+        role a later prompt quoting the answer gives it, or None)."""
         # Like vLLM (Starlette), the status line goes out at once, before the queue.
         resp = web.StreamResponse(headers=_SSE_HEADERS)
         await resp.prepare(request)

@@ -7,7 +7,7 @@ prefix_cache.py, shared prefill compute in prefill.py, the numbers in metrics.py
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 from vllm_gateway.fake_worker.config import FakeWorkerConfig
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
@@ -15,6 +15,7 @@ from vllm_gateway.fake_worker.prefill import PrefillLane
 from vllm_gateway.fake_worker.prefix_cache import PrefixCache
 from vllm_gateway.fake_worker.scheduler import Scheduler
 from vllm_gateway.fake_worker.stats import FakeStats
+from vllm_gateway.fake_worker.tokens import answer_token_id as answer_id
 
 
 async def _sleep_until(deadline: float) -> None:
@@ -41,13 +42,14 @@ class Engine:
         prompt: list[int],
         n: int,
         on_token: Callable[[int], Awaitable[None]] | None,
-        answer: tuple[int, ...] = (),
+        answer_role: str | None = None,
     ) -> None:
         """Wait for a slot, prefill, then make n tokens at one per tpot.
 
         Prefill is the prompt's uncached tokens on the worker's shared prefill lane,
-        then ttft. `prompt` is the token ids; `answer`, when given, the ids of the n
-        tokens made, which the cache keeps as their blocks fill (prefix_cache.py).
+        then ttft. `prompt` is the token ids. With `answer_role` (None: the answer is not
+        what a later prompt would quote), the cache keeps the answer's blocks as they
+        fill, under the ids a later prompt quoting it said by that role would have.
         `on_token(i)` runs as token i is made, still holding the slot (a stalled writer
         keeps its sequence in the batch, as in vLLM). `arrival` is the loop.time() the
         request came in, for the TTFT and latency histograms.
@@ -56,6 +58,9 @@ class Engine:
         ttft, tpot = self.config.ttft_ms / 1000, self.config.tpot_ms / 1000
         m, cache = self.metrics, self.cache
         lane = self.prefill_lane
+        # Unbounded (no --num-gpu-blocks), the cache keeps no generated blocks: nothing
+        # would ever evict them, and memory would grow with every answer.
+        role = answer_role if cache.capacity is not None else None
         async with self.scheduler.slot(model):
             seq = None
             try:
@@ -72,7 +77,10 @@ class Engine:
                     first = loop.time()
                     m.ttft.observe(first - arrival)
                     # The whole answer's blocks at once; the last token's KV is never computed.
-                    cache.grow(seq, len(prompt) + n, answer[: n - 1])
+                    made: Iterable[int] = ()
+                    if role is not None:
+                        made = (answer_id(j, role) for j in range(n - 1))
+                    cache.grow(seq, len(prompt) + n, made)
                     await _sleep_until(start + ttft + (n - 1) * tpot)
                     m.generation_tokens += n
                 else:
@@ -83,7 +91,8 @@ class Engine:
                             m.ttft.observe(first - arrival)
                         m.generation_tokens += 1
                         # Making token i computes token i-1's KV (none for i == 0).
-                        cache.grow(seq, len(prompt) + i + 1, answer[i - 1 : i] if i else ())
+                        made = () if role is None or i == 0 else (answer_id(i - 1, role),)
+                        cache.grow(seq, len(prompt) + i + 1, made)
                         await on_token(i)
             finally:
                 if seq is not None:

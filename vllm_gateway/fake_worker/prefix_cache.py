@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -132,7 +133,7 @@ class PrefixCache:
             self._publish(seq, h)
         seq.pending = []
 
-    def grow(self, seq: Sequence, tokens: int, computed: list[int] | tuple[int, ...] = ()) -> None:
+    def grow(self, seq: Sequence, tokens: int, computed: Iterable[int] = ()) -> None:
         """The sequence now holds `tokens` tokens: hold blocks for the new ones, and
         publish each block that the newly `computed` token ids (in order) fill."""
         size = self.block_size

@@ -17,7 +17,7 @@ The prompt text is, in order:
 
 An empty prompt still counts one token, as vLLM never sees a zero-length prompt.
 
-The fake's answer of n tokens is the text " w0 w1 ... w{n-1}"; `answer_token_ids` gives
+The fake's answer of n tokens is the text " w0 w1 ... w{n-1}"; `answer_token_id` gives
 the ids that text has when a later prompt quotes it (as an assistant message in chat,
 as plain text in a completion prompt), so the worker can cache the answer's blocks
 under the hashes the next turn will look up.
@@ -26,7 +26,6 @@ under the hashes the next turn will look up.
 from __future__ import annotations
 
 import zlib
-from functools import lru_cache
 from typing import Any
 
 
@@ -79,7 +78,8 @@ def responses_token_ids(body: dict[str, Any]) -> list[int]:
     return prompt_token_ids({"messages": messages})
 
 
-@lru_cache(maxsize=256)
-def answer_token_ids(n: int, role: str = "") -> tuple[int, ...]:
-    """The ids of the fake's n-token answer as a later prompt quotes it (said by `role`)."""
-    return tuple(_word_id(f"w{i}", role if i == 0 else "") for i in range(n))
+def answer_token_id(i: int, role: str = "") -> int:
+    """The id of token i of the fake's answer as a later prompt quotes it (said by `role`:
+    folded into the first word, as for any message). One at a time, as tokens are made:
+    a client's max_tokens must not size anything up front."""
+    return _word_id(f"w{i}", role if i == 0 else "")
