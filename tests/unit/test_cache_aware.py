@@ -376,48 +376,51 @@ def test_a_hot_home_sheds_new_conversations_within_the_bound():
 
 
 @pytest.mark.parametrize(
-    ("capacity", "max_num_seqs", "stays"),
+    ("capacity", "max_num_seqs", "load", "stays"),
     [
-        (16.0, 0, True),  # the gate learned its capacity and let it through: a free slot
-        (0.0, 16, True),  # declared in the configuration: the same
-        (0.0, 0, False),  # nothing known: the gate is open, the history bound is all
+        (16.0, 0, 15, True),  # the gate learned its capacity: one batch slot is free
+        (0.0, 16, 15, True),  # declared in the configuration: the same
+        (16.0, 0, 16, False),  # no slot free: moving beats waiting in its queue
+        (0.0, 0, 15, False),  # no capacity known: the gate is open, the bound is all
     ],
 )
-def test_a_history_past_its_bound_stays_while_its_holder_has_a_free_slot(
-    capacity, max_num_seqs, stays
+def test_a_later_turn_past_its_bound_stays_while_its_holder_has_a_free_slot(
+    capacity, max_num_seqs, load, stays
 ):
-    """Moving a history prefills all of it again elsewhere; a holder the capacity gate
-    lets through has a batch slot free, so the turn waits for nothing there."""
+    """Moving a history prefills all of it again elsewhere; where it is, a free batch
+    slot takes the turn at once."""
     ws = workers(4)
     for w in ws:
         w.capacity, w.max_num_seqs = capacity, max_num_seqs
     p = policy()
     turn = chat("the same first question", "answer", "next")
     home = p.select(ws, info(chat("the same first question")))
-    home.inflight = 30  # far past the history bound (fair ~9 with the others at 2)
+    home.inflight = load  # past the history bound: ceil(fair 5.5 + 0.5 x 16) = 14
     for w in ws:
         if w is not home:
             w.inflight = 2
     assert (p.select(ws, info(turn)) is home) is stays
+    # A first turn with the same start (the same prompt again) keeps the bound.
+    assert p.select(ws, info(chat("the same first question"))) is not home
     # Full (the gate leaves it out of the candidates): the turn goes elsewhere.
     assert p.select([w for w in ws if w is not home], info(turn)) is not home
 
 
 def test_a_history_held_twice_past_the_bound_goes_to_the_less_loaded_holder():
-    ws = workers(4)
+    ws = workers(8)
     for w in ws:
         w.capacity = 16.0
     p = policy()
     first = chat("q " * 300)
     a = p.select(ws, info(first))
     b = p.select([w for w in ws if w is not a], info(first))  # a was full once
-    a.inflight, b.inflight = 40, 30
-    for w in ws:
-        if w not in (a, b):
-            w.inflight = 0
-    assert p.select(ws, info(chat("q " * 300, "answer", "next"))) is b
-    a.inflight, b.inflight = 30, 40
-    assert p.select(ws, info(chat("q " * 300, "answer", "next"))) is a
+    later = chat("q " * 300, "answer", "next")
+    a.inflight, b.inflight = 14, 12  # both past ceil(fair 3.4 + 0.5 x 16) = 12
+    assert p.select(ws, info(later)) is b
+    a.inflight, b.inflight = 12, 14
+    assert p.select(ws, info(later)) is a
+    a.inflight = b.inflight = 13  # a tie: the key's rendezvous order, as in every replica
+    assert p.select(ws, info(later)) is p.select(list(reversed(ws)), info(later))
 
 
 def test_a_later_turn_another_replica_placed_goes_to_its_home_past_this_replicas_bound():
@@ -429,7 +432,7 @@ def test_a_later_turn_another_replica_placed_goes_to_its_home_past_this_replicas
         w.capacity = 16.0
     a, b = policy(), policy()
     home = a_ws.index(a.select(a_ws, info(chat("the same first question"))))
-    b_ws[home].inflight = 30  # in replica b's view, far past the bound
+    b_ws[home].inflight = 12  # in replica b's view past the bound, ceil(3.25 + 0.25 x 16) = 8
     later = chat("the same first question", "answer", "next")
     assert b.select(b_ws, info(later)) is b_ws[home]
     # A new conversation with that home is shed in the same view...

@@ -9,17 +9,17 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    conversation's earlier turns hold its history, which only its own turns share
    (prefix_index.py: the conversation key, then the blocks after it). Of those holding
    the most, the first in the key's rendezvous order within a looser bound
-   (`HISTORY_SLACK`); past it on all of them, the least loaded holder whose capacity the
-   gate knows (a candidate, so a batch slot is free: the turn waits for nothing there,
-   and elsewhere it would prefill its whole history again). Only when every holder is
-   full, or none has a known capacity, is the history prefilled again elsewhere.
+   (`HISTORY_SLACK`); past it on all of them, for a later turn, the least loaded holder
+   with a batch slot free by its load and the capacity the gate knows (the turn prefills
+   only what it adds there, and its whole history anywhere else). Only when no holder
+   has room, or none has a known capacity, is the history prefilled again elsewhere.
 2. **Otherwise** (a new conversation, or its history is not known here): the first
    worker in the key's rendezvous order whose load stays within the load bound, among
    the workers its preamble needs. The key is the conversation's stable start
    (prefix_hash.py: the messages up to the first user message), so every turn of a
    conversation, and every replica of the gateway, gets the same home without sharing
    any state. A later turn whose history this process does not know (another replica
-   placed it) takes that home past the load bound while the gate lets it through: the
+   placed it) takes that home past the load bound while it has a batch slot free: the
    bound reads this replica's own in-flight view, which the other's does not share.
    The preamble (the system prompt) is shared by many conversations: they go
    to the first `ceil(workers x its share of recent requests / load_bound)` workers in
@@ -69,8 +69,9 @@ from vllm_gateway.workers import Worker
 # A worker holding a conversation's history keeps it while its load is within
 # 1 + HISTORY_SLACK x (load_bound - 1) of its fair share (1.5 for the default 1.25):
 # elsewhere the whole history is prefilled again, so it tolerates more imbalance than a
-# new conversation, which costs the same anywhere; but still bounded, so one hot
-# conversation (or a flood of identical prompts) spreads.
+# new conversation, which costs the same anywhere; but still bounded, so a flood of
+# identical prompts spreads. A later turn of a conversation stays past it while its holder
+# has a batch slot free (`_holder_with_room`): there the saving is the whole history.
 HISTORY_SLACK = 2.0
 _M64 = (1 << 64) - 1
 # Requests over which each preamble's share of the traffic is counted.
@@ -156,21 +157,12 @@ class _View:
         except (OverflowError, ValueError):  # inf or NaN from a nonsense figure somewhere
             return False
 
-
-def _holder_with_room(among: list[int], view: _View) -> Worker | None:
-    """The history's holders are all past the history bound, but the capacity gate let
-    them through: each has a free batch slot as far as the gateway knows, so the turn
-    waits for nothing there, where anywhere else it would prefill its whole history
-    again. The least loaded of them for its speed; None when the gate knows no holder's
-    capacity (it is open then: nothing else bounds what piles onto a holder)."""
-    best: Worker | None = None
-    best_load = math.inf
-    for j in among:
-        w = view.candidates[j]
-        speed = view.speeds[j]
-        if (w.max_num_seqs or w.capacity) and speed > 0 and view.loads[j] / speed < best_load:
-            best, best_load = w, view.loads[j] / speed
-    return best
+    def has_room(self, j: int) -> bool:
+        """Whether candidate `j` has a batch slot free by its load and the capacity the
+        gate knows (configured, learned or its probing limit); False while none is known."""
+        w = self.candidates[j]
+        capacity = w.max_num_seqs or w.capacity
+        return bool(capacity) and self.loads[j] + 1.0 <= capacity
 
 
 class CacheAware:
@@ -251,7 +243,9 @@ class CacheAware:
         if holders:
             # Few holders (a conversation's history is on one worker or two): a C scan each.
             among = [candidates.index(w) for w in holders]
-            best = self._home(blocks.key, among, view, held) or _holder_with_room(among, view)
+            best = self._home(blocks.key, among, view, held)
+            if best is None and blocks.continued:
+                best = self._holder_with_room(blocks.key, among, view)
             if best is not None:
                 return best
         # A worker that holds the preamble keeps new conversations within the history's
@@ -331,15 +325,15 @@ class CacheAware:
     ) -> Worker | None:
         """Of the candidates at indexes `among`, the first in the key's rendezvous order
         within its load limit (`_View.fits`; `extra`: a number, or (extra, for holders of
-        the preamble, the preamble)). `sticky`: a candidate whose capacity the gate knows
-        needs no more than being a candidate (a batch slot is free)."""
+        the preamble, the preamble)). `sticky`: a candidate with a batch slot free
+        (`_View.has_room`) needs nothing more."""
         best: Worker | None = None
         best_rank = math.inf
         seeds = self._seeds
         candidates = view.candidates
         for j in among:
             w = candidates[j]
-            if not (sticky and (w.max_num_seqs or w.capacity)):
+            if not (sticky and view.has_room(j)):
                 e = extra if isinstance(extra, float) else self._slack(j, candidates, extra)
                 if not view.fits(j, e):
                     continue
@@ -349,6 +343,22 @@ class CacheAware:
             rank = rendezvous_rank(key, w, seed)
             if rank < best_rank:
                 best, best_rank = w, rank
+        return best
+
+    def _holder_with_room(self, key: int, among: list[int], view: _View) -> Worker | None:
+        """A later turn whose holders are all past the history bound: the least loaded
+        (per unit of speed) of those with a batch slot free (`_View.has_room`), ties in the
+        key's rendezvous order; there the turn prefills only what it adds, where anywhere
+        else it would prefill its whole history again. None when none has room."""
+        best: Worker | None = None
+        best_at = (math.inf, math.inf)
+        for j in among:
+            speed = view.speeds[j]
+            if speed > 0 and view.has_room(j):
+                w = view.candidates[j]
+                at = (view.loads[j] / speed, self._rank(key, w))
+                if at < best_at:
+                    best, best_at = w, at
         return best
 
     def _slack(
