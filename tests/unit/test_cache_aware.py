@@ -176,6 +176,18 @@ def test_a_shared_system_prompt_does_not_draw_conversations_together():
     assert min(homes.values()) >= 60, homes  # ~100 each
 
 
+def test_a_system_prompt_shorter_than_a_block_is_no_preamble():
+    """A short system prompt saves a few milliseconds of prefill: not worth gathering its
+    conversations onto few workers, so they spread by their keys like any others."""
+    short = "You are assistant 3. Answer briefly and politely."
+    assert prefix_blocks(chat("hi", system=short)).preamble == 0
+    assert prefix_blocks(chat("hi", system=short * 30)).preamble != 0
+    ws = workers(4)
+    p = policy()
+    homes = Counter(p.select(ws, info(chat(f"user {i} says hi", system=short))) for i in range(400))
+    assert min(homes.values()) >= 60, homes  # ~100 each, not one worker's worth
+
+
 def preambles_placed(p: CacheAware, ws: list[Worker], systems: list[str], count: int,
                      skip: int = 100, tag: str = "") -> dict[int, Counter]:  # fmt: skip
     """Where `count` first turns (new conversations), cycling over `systems`, go (after

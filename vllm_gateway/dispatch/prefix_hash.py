@@ -14,7 +14,7 @@ process keeps its own index of them).
 The **preamble** is what many conversations share: for chat, the messages before the first
 user message (the system prompt); its CRC-32 lets dispatch keep the conversations that
 share it on as few workers as their traffic needs (policies/cache_aware.py). A completion
-prompt has none.
+prompt has none, nor does a chat whose preamble is shorter than `MIN_PREAMBLE_BYTES`.
 
 The **key** is the part that stays the same for every turn of one conversation and
 differs between conversations: for chat, the messages up to and including the first user
@@ -49,6 +49,10 @@ BLOCK_BYTES = 1024
 MAX_BLOCKS = 32
 # The key of a completion prompt (no message structure to tell a conversation by).
 KEY_BYTES = 1024
+# A preamble shorter than one block (~256 tokens) is not one: its prefill is a few
+# milliseconds wherever it runs, not worth gathering its conversations (and their load)
+# onto few workers; they spread by their keys. It is also below what the index resolves.
+MIN_PREAMBLE_BYTES = BLOCK_BYTES
 
 
 class PrefixBlocks:
@@ -119,6 +123,8 @@ def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
     # The key's CRC goes on from the preamble's (CRC-32 chains): its bytes are read once.
     preamble = zlib.crc32(data[:preamble_end]) if preamble_end else 0
     key = zlib.crc32(data[preamble_end:key_end], preamble)
+    if preamble_end < MIN_PREAMBLE_BYTES:
+        preamble = 0
     blocks = [key]
     h = key
     for start in range(first * size, end * size, size):
