@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import orjson
 import pytest
 
 from vllm_gateway.config.gateway import DispatchConfig
@@ -247,3 +248,31 @@ async def test_load_blind_policies_count_requests_sent_to_a_full_worker():
     async with d.lease(info(2)) as third:
         assert third.full
     assert d.buckets.sent_to_full == 2
+
+
+def chat_info(*turns: str):
+    messages = [{"role": "system", "content": "Be brief."}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    body = orjson.dumps({"model": "m", "messages": messages})
+    return parse_request("/v1/chat/completions", body, "r")
+
+
+async def test_going_elsewhere_probes_only_a_worker_the_policy_would_rather_have():
+    """Gated at its probing limit, a worker's capacity is probed upward when a request
+    that would rather have had it (its history is there) goes elsewhere; not when going
+    elsewhere cost nothing (a probe past a true capacity queues inside the worker)."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
+    for w in ws:
+        room(registry, w)  # scraped, no queue: the gate's probing limit, 8
+    async with d.lease(chat_info("the first question")) as lease:
+        home = lease.worker
+    other = ws[1] if home is ws[0] else ws[0]
+    home.inflight = 8  # gated at its probing limit (as if by requests of other clients)
+    for doc in (chat_info("another first question"), info()):
+        async with d.lease(doc) as lease:
+            assert lease.worker is other
+        assert not d.buckets.bucket(home).demand  # nothing lost there: no probe
+    async with d.lease(chat_info("the first question", "an answer", "next")) as lease:
+        assert lease.worker is other  # its history's holder is gated: it goes elsewhere...
+    assert d.buckets.bucket(home).demand  # ...and asks for the holder's capacity

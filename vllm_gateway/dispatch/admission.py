@@ -40,6 +40,12 @@ class Waiter:
     def __lt__(self, other: Waiter) -> bool:
         return self.key < other.key
 
+    @property
+    def bound(self) -> bool:
+        """Did dispatch give it a lease (its future holds one)?"""
+        f = self.future
+        return f.done() and not f.cancelled() and f.exception() is None
+
 
 class ModelQueue:
     """The waiters for one model, best first."""

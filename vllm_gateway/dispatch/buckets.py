@@ -37,9 +37,11 @@ also before anything was learned. The capacity is, first found first:
 
 Probing (2 and 3) happens only while it is needed: when a request found no room on the
 worker since the last scrape (`note_demand`) and waited; for the probing limit (3), also
-when it went to another worker instead (away from the one holding its prompt's prefix,
-say). A worker nothing finds full is never
-overshot. Without a fresh scrape there is no evidence either way and no probing limit:
+when it went to another worker instead and the policy would rather have had this one
+(`Policy.preferred`: cache_aware's holders of its history or preamble). A request that
+went elsewhere at no cost asks for no probe: each probe past a worker's true capacity
+queues a request inside it. A worker nothing finds full is never overshot. Without a
+fresh scrape there is no evidence either way and no probing limit:
 the gate is open (the policies fall back to in-flight counts).
 
 Dispatch owns the buckets and calls `on_stats`, `take` and `on_release`; everything here is

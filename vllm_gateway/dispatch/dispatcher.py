@@ -51,9 +51,9 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 
 from vllm_gateway.config.gateway import DispatchConfig, RetryConfig
-from vllm_gateway.dispatch.admission import Admission, Waiter
+from vllm_gateway.dispatch.admission import Admission
 from vllm_gateway.dispatch.buckets import Buckets
-from vllm_gateway.dispatch.policies import Policy, forget_missing
+from vllm_gateway.dispatch.policies import Policy, forget_missing, preferred_of
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.errors import (
     GatewayError,
@@ -282,7 +282,11 @@ class Dispatcher:
             has_token = self.buckets.has_token
             candidates = [w for w in available if has_token(w)]
             if len(candidates) < len(available):  # what they run binds: probe them for more
-                self.buckets.note_demand([w for w in available if not has_token(w)], not candidates)
+                gated = [w for w in available if not has_token(w)]
+                # It waits: probe them all; it goes elsewhere: those the policy would rather
+                # have had (base.py), as a probe past a true capacity queues in the worker.
+                liked = preferred_of(policy, gated, info) if candidates else gated
+                self.buckets.note_demand(liked, not candidates)
                 if not candidates:
                     return None
         else:
@@ -316,7 +320,7 @@ class Dispatcher:
             async with asyncio.timeout(admission.max_wait or None):
                 return await waiter.future
         except TimeoutError:
-            if _bound(waiter):
+            if waiter.bound:
                 return waiter.future.result()  # a worker came at the very last moment
             admission.leave(waiter, admitted=False)
             admission.timed_out += 1
@@ -325,7 +329,7 @@ class Dispatcher:
                 retry_after=self._retry_after(info.model),
             ) from None
         except asyncio.CancelledError:
-            if _bound(waiter):  # bound, but the client left before it could start
+            if waiter.bound:  # bound, but the client left before it could start
                 lease = waiter.future.result()
                 lease.outcome = CLIENT_GONE
                 self._release(lease)
@@ -442,9 +446,3 @@ def _count_model(worker: Worker, model: str, delta: int) -> None:
         by_model[model] = n
     else:
         by_model.pop(model, None)
-
-
-def _bound(waiter: Waiter) -> bool:
-    """Did dispatch give `waiter` a lease (its future holds one)?"""
-    f = waiter.future
-    return f.done() and not f.cancelled() and f.exception() is None

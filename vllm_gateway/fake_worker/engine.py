@@ -23,6 +23,16 @@ async def _sleep_until(deadline: float) -> None:
     await asyncio.sleep(max(0.0, deadline - asyncio.get_running_loop().time()))
 
 
+def _made(role: str | None, start: int, stop: int) -> Iterable[int]:
+    """The ids of answer tokens start..stop-1 as a later prompt quoting the answer said
+    by `role` has them; none without a role (nor without a cache capacity, the caller
+    sees to it: nothing would ever evict generated blocks, and memory would grow with
+    every answer)."""
+    if role is None:
+        return ()
+    return (answer_id(j, role) for j in range(start, stop))
+
+
 class Engine:
     """Runs requests like vLLM's engine would time them, one coroutine per request."""
 
@@ -56,11 +66,8 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         ttft, tpot = self.config.ttft_ms / 1000, self.config.tpot_ms / 1000
-        m, cache = self.metrics, self.cache
-        lane = self.prefill_lane
-        # Unbounded (no --num-gpu-blocks), the cache keeps no generated blocks: nothing
-        # would ever evict them, and memory would grow with every answer.
-        role = answer_role if cache.capacity is not None else None
+        m, cache, lane = self.metrics, self.cache, self.prefill_lane
+        role = answer_role if cache.capacity is not None else None  # _made says why
         async with self.scheduler.slot(model):
             seq = None
             try:
@@ -77,10 +84,7 @@ class Engine:
                     first = loop.time()
                     m.ttft.observe(first - arrival)
                     # The whole answer's blocks at once; the last token's KV is never computed.
-                    made: Iterable[int] = ()
-                    if role is not None:
-                        made = (answer_id(j, role) for j in range(n - 1))
-                    cache.grow(seq, len(prompt) + n, made)
+                    cache.grow(seq, len(prompt) + n, _made(role, 0, n - 1))
                     await _sleep_until(start + ttft + (n - 1) * tpot)
                     m.generation_tokens += n
                 else:
@@ -91,8 +95,7 @@ class Engine:
                             m.ttft.observe(first - arrival)
                         m.generation_tokens += 1
                         # Making token i computes token i-1's KV (none for i == 0).
-                        made = () if role is None or i == 0 else (answer_id(i - 1, role),)
-                        cache.grow(seq, len(prompt) + i + 1, made)
+                        cache.grow(seq, len(prompt) + i + 1, _made(role, max(0, i - 1), i))
                         await on_token(i)
             finally:
                 if seq is not None:

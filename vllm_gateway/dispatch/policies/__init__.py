@@ -7,7 +7,7 @@ names its dispatch methods `lottery` and `shortest_queue`; they are accepted as 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.policies.base import Policy, PolicyFactory
@@ -19,6 +19,7 @@ from vllm_gateway.dispatch.policies.queue import QueuePolicy
 from vllm_gateway.dispatch.policies.random_choice import RandomChoice
 from vllm_gateway.dispatch.policies.round_robin import RoundRobin
 from vllm_gateway.dispatch.policies.session import SessionAffinity
+from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.workers import Worker
 
 POLICIES: dict[str, PolicyFactory] = {
@@ -56,6 +57,13 @@ def forget_missing(policies: Iterable[Policy], present: set[Worker]) -> None:
         forget = getattr(policy, "forget_missing", None)
         if forget is not None:
             forget(present)
+
+
+def preferred_of(policy: Policy, gated: Sequence[Worker], info: RequestInfo) -> list[Worker]:
+    """Of the workers the gate left out, those `policy` would rather have had for `info`
+    (its optional `preferred`, base.py); none when it has no such hook."""
+    hook = getattr(policy, "preferred", None)
+    return hook(gated, info) if hook is not None else []
 
 
 def make_policy(

@@ -10,6 +10,11 @@ also the ones whose token bucket has a token: the buckets decide *whether* a wor
 take more, the policy *which* of those takes this request. Load-blind policies
 (`round_robin`, `random`: the baselines) ignore the buckets and choose among every
 available worker.
+
+A load-aware policy may also define `preferred(gated, info) -> list[Worker]`: of the
+workers the gate left out of the candidates, those the request would rather have had (for
+cache_aware, the holders of its history or its preamble). Their capacity is probed upward
+when the request goes elsewhere (buckets.py); without it, only when requests wait.
 """
 
 from __future__ import annotations

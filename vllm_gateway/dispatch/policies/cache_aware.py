@@ -196,6 +196,21 @@ class CacheAware:
             self.index.record(worker, blocks)
         return worker
 
+    def preferred(self, gated: Sequence[Worker], info: RequestInfo) -> list[Worker]:
+        """Of the workers the capacity gate left out, those this request would rather
+        have had: holders of its history (a later turn), else of its preamble. Sent
+        elsewhere, it prefills that again, so their capacity is worth probing for."""
+        blocks = info.prefix_blocks()
+        if blocks is None:
+            return []
+        if blocks.continued:
+            holders, _ = self.index.deepest(blocks.blocks, gated)
+            if holders:
+                return holders
+        if blocks.preamble:
+            return [w for w in gated if self.index.holds(blocks.preamble, w)]
+        return []
+
     def forget_missing(self, present: set[Worker]) -> None:
         """Forget the workers that left the registry (what they were sent, their ranks)."""
         self.index.forget_missing(present)
