@@ -27,6 +27,13 @@ def chat(*turns: str, system: str = SYSTEM) -> dict:
     return {"model": "m", "messages": messages}
 
 
+def no_system(*turns: str) -> dict:
+    """A chat body without a system prompt: user/assistant turns alternating."""
+    roles = ("user", "assistant")
+    return {"model": "m", "messages": [
+        {"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]}  # fmt: skip
+
+
 def info(doc: dict) -> RequestInfo:
     return RequestInfo("/v1/chat/completions", b"", "m", True, "r", {}, doc)
 
@@ -256,10 +263,10 @@ def mixed_traffic(rng: random.Random, replicas: list[CacheAware], ws: list[Worke
                   count: int, tag: str) -> None:  # fmt: skip
     """Two popular system prompts (40% each: two workers each, clear of a boundary where
     the two replicas' samples could tell 1 or 2) and many rare ones, requests alternating."""
-    hot = [f"system prompt {x} " * 60 for x in "PQ"]
+    hot = [f"system prompt {x} " * 70 for x in "PQ"]  # past MIN_PREAMBLE_BYTES
     for i in range(count):
         r = rng.random()
-        s = hot[0] if r < 0.4 else hot[1] if r < 0.8 else f"rare {rng.randrange(300)} " * 60
+        s = hot[0] if r < 0.4 else hot[1] if r < 0.8 else f"rare {rng.randrange(300)} " * 150
         replicas[i % len(replicas)].select(ws, info(chat(f"{tag} {i} hi", system=s)))
 
 
@@ -270,13 +277,13 @@ def test_alternating_replicas_make_the_same_plan_and_keep_a_conversation_on_one_
     ws = workers(4)
     one, other = policy(), policy()
     mixed_traffic(random.Random(seed), [one, other], ws, 3000, "a")
-    assert plan_of(one) == plan_of(other)
+    assert plan_of(one) and plan_of(one) == plan_of(other)
     turns: list[str] = []
     homes = set()
     for t in range(6):
         turns.append(f"conversation turn {t} " * 30)
         homes.add(
-            (one, other)[t % 2].select(ws, info(chat(*turns, system="system prompt P " * 60)))
+            (one, other)[t % 2].select(ws, info(chat(*turns, system="system prompt P " * 70)))
         )
         turns.append(f"answer {t} " * 100)
     assert len(homes) == 1, homes
@@ -288,6 +295,7 @@ def test_a_registry_change_that_removes_nobody_keeps_the_plan():
     rng = random.Random(3)
     mixed_traffic(rng, [p], ws, 5000, "a")
     before = plan_of(p)
+    assert before
     p.forget_missing(set(ws))  # a state change, a circuit, another model's worker...
     mixed_traffic(rng, [p], ws, 200, "b")
     assert plan_of(p) == before
@@ -304,12 +312,51 @@ def test_no_worker_is_planned_two_preambles_while_another_is_planned_none(seed):
     assert max(per.values()) == 1 or len(per) == len(ws), per
 
 
+def test_a_preambles_share_is_of_all_the_traffic_with_or_without_one():
+    """Half the requests name system prompt P, half none: P needs ceil(4 x 0.5 / 1.25) = 2
+    of 4 workers, not all four (as it would if only requests with a preamble counted)."""
+    ws = workers(4)
+    p = policy()
+    system = "system prompt P " * 70
+    for i in range(1200):
+        p.select(ws, info(no_system(f"u{i}") if i % 2 else chat(f"u{i}", system=system)))
+    planned = plan_of(p)
+    assert [want for want, _ in planned.values()] == [2], planned
+
+
+def test_preferred_names_only_gated_workers_the_request_loses_something_by_missing():
+    ws = workers(4)
+    p = policy()
+    long_system = "system prompt P " * 70
+    first = chat("q " * 300, system=long_system)
+    later = chat("q " * 300, long("a"), "q2 " * 300, system=long_system)
+    a = p.select(ws, info(first))
+    b = p.select([w for w in ws if w is not a], info(later))  # the history moved to b
+    rest = [w for w in ws if w not in (a, b)]
+    nxt = info(chat("q " * 300, long("a"), "q2 " * 300, long("a2"), "q3", system=long_system))
+    # a holds less of the history than candidate b: nothing lost by missing a.
+    assert p.preferred([a], [b, *rest], nxt) == []
+    # b gated: it holds more than any candidate.
+    assert p.preferred([b], [a, *rest], nxt) == [b]
+    # A new conversation: its preamble's holders, unless a candidate holds it too.
+    fresh = info(chat("another question", system=long_system))
+    assert p.preferred([a], rest, fresh) == [a]
+    assert p.preferred([a], [b, *rest], fresh) == []
+    # No preamble, nothing known: a first turn misses nothing; a later turn its key's home.
+    assert p.preferred(ws[:2], ws[2:], info(no_system("new"))) == []
+    unknown = info(no_system("unseen", "answer", "more"))
+    home = policy().select(ws, info(no_system("unseen")))  # every replica's first choice
+    gated = [home]
+    assert p.preferred(gated, [w for w in ws if w is not home], unknown) == [home]
+
+
 def test_a_worker_of_weight_0_is_planned_nothing_and_all_of_weight_0_still_answer():
     ws = workers(4)
     ws[3].weight = 0.0
     p = policy()
     for i in range(400):
-        p.select(ws, info(chat(f"u{i}", system=f"system prompt {i % 4} " * 60)))
+        p.select(ws, info(chat(f"u{i}", system=f"system prompt {i % 4} " * 70)))
+    assert len(plan_of(p)) == 4
     assert all(ws[3].url not in urls for _, urls in plan_of(p).values())
     for w in ws:
         w.weight = 0.0
@@ -343,6 +390,7 @@ def test_conversations_without_a_shared_prompt_or_with_one_for_all_use_every_wor
     p = policy()
     bare = Counter(p.select(ws, info({"model": "m", "messages": [
         {"role": "user", "content": f"question {i}"}]})) for i in range(40 * n))  # fmt: skip
+    p = policy()  # (after the bare ones, the system prompt would have a small share)
     one = Counter(p.select(ws, info(chat(f"user {i} says hi"))) for i in range(40 * n))
     assert len(bare) == n and len(one) == n, (bare, one)
 

@@ -276,3 +276,15 @@ async def test_going_elsewhere_probes_only_a_worker_the_policy_would_rather_have
     async with d.lease(chat_info("the first question", "an answer", "next")) as lease:
         assert lease.worker is other  # its history's holder is gated: it goes elsewhere...
     assert d.buckets.bucket(home).demand  # ...and asks for the holder's capacity
+
+
+async def test_a_policy_without_preferences_probes_every_gated_worker_it_went_past():
+    """queue has no `preferred`: a gated worker it went past may be the one it would have
+    chosen (the faster), so its probing limit grows as before."""
+    registry, ws, d = fleet("queue", (WorkerState.READY, WorkerState.READY))
+    for w in ws:
+        room(registry, w)
+    ws[0].inflight = 8  # gated at its probing limit
+    async with d.lease(info()) as lease:
+        assert lease.worker is ws[1]
+    assert d.buckets.bucket(ws[0]).demand

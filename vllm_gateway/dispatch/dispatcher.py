@@ -12,7 +12,8 @@ no error path can forget it. The pick (docs/dispatch.md):
 3. the model's policy chooses one. When step 2 leaves none, or requests for the model are
    already waiting, the request joins the admission queue (admission.py), bound to a
    worker when one has room (a release, a scrape, a registry change); nothing waits, no
-   task or timer is made, when a worker has a token. Workers step 2 left out are probed.
+   task or timer is made, when a worker has a token. Workers step 2 left out are probed
+   when the request waits, or those its policy would rather have had when it does not.
 
 When step 1 leaves none: a model no worker serves is a 404, a known one (its workers are
 all out) a 503 with `Retry-After`; a model in `scales_from_zero` waits in the admission
@@ -285,7 +286,7 @@ class Dispatcher:
                 gated = [w for w in available if not has_token(w)]
                 # It waits: probe them all; it goes elsewhere: those the policy would rather
                 # have had (base.py), as a probe past a true capacity queues in the worker.
-                liked = preferred_of(policy, gated, info) if candidates else gated
+                liked = preferred_of(policy, gated, candidates, info) if candidates else gated
                 self.buckets.note_demand(liked, not candidates)
                 if not candidates:
                     return None

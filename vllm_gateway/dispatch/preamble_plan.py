@@ -130,7 +130,7 @@ class PreamblePlan:
         return found or None
 
     def count(self) -> None:
-        """One more request of the model with a system prompt, whichever way it is placed."""
+        """One more request of the model with prompt text, whichever way it is placed."""
         self._seen += 1
         self._since += 1
 
@@ -188,7 +188,8 @@ class PreamblePlan:
         hot = sorted(
             p
             for p, c in counts.items()
-            if c * HOT * weighted >= total or (p in before and c * 2 * HOT * weighted >= total)
+            if p  # 0: the requests with no preamble, counted in the total only
+            and (c * HOT * weighted >= total or (p in before and c * 2 * HOT * weighted >= total))
         )
         wants = [_fewest(counts[p] / total, total, weighted, self._bound) for p in hot]
         bins = _Bins(sum(wants), [w.weight for w in workers])

@@ -51,7 +51,7 @@ MAX_BLOCKS = 32
 KEY_BYTES = 1024
 # A preamble shorter than one block (~256 tokens) is not one: its prefill is a few
 # milliseconds wherever it runs, not worth gathering its conversations (and their load)
-# onto few workers; they spread by their keys. It is also below what the index resolves.
+# onto few workers; they spread by their keys.
 MIN_PREAMBLE_BYTES = BLOCK_BYTES
 
 

@@ -59,11 +59,14 @@ def forget_missing(policies: Iterable[Policy], present: set[Worker]) -> None:
             forget(present)
 
 
-def preferred_of(policy: Policy, gated: Sequence[Worker], info: RequestInfo) -> list[Worker]:
+def preferred_of(
+    policy: Policy, gated: Sequence[Worker], candidates: Sequence[Worker], info: RequestInfo
+) -> list[Worker]:
     """Of the workers the gate left out, those `policy` would rather have had for `info`
-    (its optional `preferred`, base.py); none when it has no such hook."""
+    than any of the candidates (its optional `preferred`, base.py); all of them when it
+    does not say (their capacity is probed, as a request found them full)."""
     hook = getattr(policy, "preferred", None)
-    return hook(gated, info) if hook is not None else []
+    return hook(gated, candidates, info) if hook is not None else list(gated)
 
 
 def make_policy(
@@ -81,4 +84,5 @@ __all__ = [
     "forget_missing",
     "make_policy",
     "policy_names",
+    "preferred_of",
 ]

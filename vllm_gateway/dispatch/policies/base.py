@@ -11,10 +11,11 @@ take more, the policy *which* of those takes this request. Load-blind policies
 (`round_robin`, `random`: the baselines) ignore the buckets and choose among every
 available worker.
 
-A load-aware policy may also define `preferred(gated, info) -> list[Worker]`: of the
-workers the gate left out of the candidates, those the request would rather have had (for
-cache_aware, the holders of its history or its preamble). Their capacity is probed upward
-when the request goes elsewhere (buckets.py); without it, only when requests wait.
+A load-aware policy may also define `preferred(gated, candidates, info) -> list[Worker]`:
+of the workers the gate left out, those the request would rather have had than any
+candidate (cache_aware: holders of its history or its preamble). Only their capacity is
+probed upward when the request goes elsewhere (buckets.py); a policy without the hook
+has every gated worker probed then.
 """
 
 from __future__ import annotations

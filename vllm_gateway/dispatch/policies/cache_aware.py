@@ -83,7 +83,7 @@ MAX_MODELS = 1024
 
 
 class _Shares:
-    """Each preamble's share of the last SHARE_WINDOW requests (that had one), and the
+    """Each preamble's share of the last SHARE_WINDOW requests (0: those with none), and the
     plan of where the popular ones go (preamble_plan.py): one of each per model."""
 
     def __init__(self, load_bound: float) -> None:
@@ -189,26 +189,43 @@ class CacheAware:
             if len(self._shares) >= MAX_MODELS:
                 self._shares.clear()
             shares = self._shares[info.model] = _Shares(self._bound)
-        share = shares.add(blocks.preamble) if blocks.preamble else 1.0
+        # Every request with prompt text counts (preamble 0: none), so a preamble's share
+        # is of all the model's traffic: what the workers it needs are measured against.
+        share = shares.add(blocks.preamble)
         one = len(candidates) == 1
         worker = candidates[0] if one else self._choose(candidates, blocks, share, shares, info)
         if worker is not None:
             self.index.record(worker, blocks)
         return worker
 
-    def preferred(self, gated: Sequence[Worker], info: RequestInfo) -> list[Worker]:
-        """Of the workers the capacity gate left out, those this request would rather
-        have had: holders of its history (a later turn), else of its preamble. Sent
-        elsewhere, it prefills that again, so their capacity is worth probing for."""
+    def preferred(
+        self, gated: Sequence[Worker], candidates: Sequence[Worker], info: RequestInfo
+    ) -> list[Worker]:
+        """Of the workers the capacity gate left out, those this request would rather have
+        had than any candidate, as it goes elsewhere and prefills again what they hold:
+        holders of a deeper part of its history (a later turn); else holders of its
+        preamble if no candidate holds it; else, for a later turn no worker is known to
+        hold, its key's home (where another replica sent it). Their capacity is worth
+        probing; the others' is not (base.py)."""
         blocks = info.prefix_blocks()
         if blocks is None:
             return []
+        index = self.index
         if blocks.continued:
-            holders, _ = self.index.deepest(blocks.blocks, gated)
-            if holders:
-                return holders
+            held, depth = index.deepest(blocks.blocks, gated)
+            _, there = index.deepest(blocks.blocks, candidates)
+            if depth > there:
+                return held
+            if there:
+                return []
         if blocks.preamble:
-            return [w for w in gated if self.index.holds(blocks.preamble, w)]
+            if any(index.holds(blocks.preamble, w) for w in candidates):
+                return []
+            return [w for w in gated if index.holds(blocks.preamble, w)]
+        if blocks.continued:
+            key = blocks.key
+            home = min((*gated, *candidates), key=lambda w: self._rank(key, w))
+            return [home] if any(home is w for w in gated) else []
         return []
 
     def forget_missing(self, present: set[Worker]) -> None:
