@@ -10,7 +10,7 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    (prefix_index.py: the conversation key, then the blocks after it). Of those holding
    the most, the first in the key's rendezvous order within a looser bound
    (`HISTORY_SLACK`); past it on all of them, for a later turn, the least loaded holder
-   with a batch slot free by its load and the capacity the gate knows (the turn prefills
+   with a batch slot free by the gate's measure, in flight below a known capacity (it prefills
    only what it adds there, and its whole history anywhere else). Only when no holder
    has room, or none has a known capacity, is the history prefilled again elsewhere.
 2. **Otherwise** (a new conversation, or its history is not known here): the first
@@ -158,11 +158,14 @@ class _View:
             return False
 
     def has_room(self, j: int) -> bool:
-        """Whether candidate `j` has a batch slot free by its load and the capacity the
-        gate knows (configured, learned or its probing limit); False while none is known."""
+        """Whether candidate `j` has a batch slot free by the capacity gate's own measure:
+        the gateway's in-flight requests to it below the capacity the gate knows
+        (configured, learned or its probing limit); False while none is known. A candidate
+        on the request path always has (the gate let it through); FastChat's
+        /get_worker_address may offer full workers too."""
         w = self.candidates[j]
         capacity = w.max_num_seqs or w.capacity
-        return bool(capacity) and self.loads[j] + 1.0 <= capacity
+        return bool(capacity) and w.inflight < capacity
 
 
 class CacheAware:
