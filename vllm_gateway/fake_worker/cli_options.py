@@ -27,8 +27,9 @@ _OPTIONS: dict[str, tuple[Any, str, str]] = {
     "--num-gpu-blocks": (
         click.IntRange(min=1),
         "N",
-        "KV-cache capacity in blocks; unused cached blocks are evicted LRU. [default: "
-        "no limit; vllm:kv_cache_usage_perc then reports the batch's fill]",
+        "KV-cache capacity in blocks; unused cached blocks are evicted LRU, and full "
+        "blocks of answers are cached too, as vLLM V1 does. [default: no limit; "
+        "answers are then not cached and vllm:kv_cache_usage_perc reports the batch's fill]",
     ),
     "--prefill-ms-per-token": (
         click.FloatRange(min=0),
