@@ -228,7 +228,7 @@ class CacheAware:
         if blocks.continued:
             key = blocks.key
             home = min((*gated, *candidates), key=lambda w: self._rank(key, w))
-            return [home] if any(home is w for w in gated) else []
+            return [home] if home in gated else []  # (Worker equality is identity)
         return []
 
     def forget_missing(self, present: set[Worker]) -> None:
