@@ -13,6 +13,10 @@
     longtail   3 equal workers; Poisson arrivals at --load of capacity; log-normal output
                lengths (median 24, sigma 1.2, up to 1024 tokens): a few answers are 20x
                the median and hold their batch slot that long.
+    docqa      4 workers with a prefix cache and a prefill cost; single questions about
+               one of 24 long documents quoted in the user message (no system prompt
+               worth caching), documents chosen by Zipf popularity: the shared prefix is
+               in the first user message, not in a system prompt.
 
 Every family's rates come from the capacity its workers compute to (workload.py), so a
 change of worker speed or batch size changes the load with it. Conversations that start
@@ -164,9 +168,46 @@ def multiturn(sizes: Sizes) -> Family:
     return Family("multiturn", workers, setup, build)
 
 
+# docqa's shape: documents quoted at the start of the user message (RAG, "summarize this",
+# few-shot examples in the prompt, models without a system role).
+DOCS, DOC_WORDS, QUESTION_WORDS, DOC_ANSWER_TOKENS, ZIPF = 24, 600, 24, 32, 1.0
+DOC_PREFILL_MS_PER_TOKEN = 0.1  # a cold document costs ~60 ms, a cached one ~3 ms
+
+
+def docqa(sizes: Sizes) -> Family:
+    rng0 = random.Random(11)
+    docs = [f"Document {i}:\n" + text(rng0, DOC_WORDS, f"d{i}-") for i in range(DOCS)]
+    weights = [1 / (i + 1) ** ZIPF for i in range(DOCS)]
+    every = DOCS * math.ceil(DOC_WORDS / BLOCK_SIZE)
+    count = 4
+    blocks = math.ceil(sizes.cache_share * every / count)
+    workers = (WorkerSpec(20, 20, 16, blocks, DOC_PREFILL_MS_PER_TOKEN),) * count
+    draw = spread(DOC_ANSWER_TOKENS)
+    rate = sizes.load * _capacity(workers, draw) * 0.7  # prefill eats the rest
+    end = sizes.warmup + sizes.duration
+
+    def build(rng: random.Random) -> list[Conversation]:
+        out = []
+        for i, at in enumerate(poisson(rng, rate, 0.0, end)):
+            doc = rng.choices(docs, weights)[0]
+            user = doc + "\n\nQuestion: " + text(rng, QUESTION_WORDS, f"q{i}-")
+            turn = Turn(user, draw(rng), 0.0)
+            out.append(Conversation(at, "You are a helpful assistant.", f"s{i}", (turn,)))
+        return out
+
+    setup = (
+        f"{rate:.1f} req/s Poisson; {DOCS} documents of {DOC_WORDS} tokens, Zipf {ZIPF:g}, "
+        f"each request one document + a {QUESTION_WORDS}-token question in one user message; "
+        f"max_tokens {DOC_ANSWER_TOKENS} +-50%; KV cache {blocks} blocks per worker = "
+        f"{sizes.cache_share:g} of all documents' {every} / {count}"
+    )
+    return Family("docqa", workers, setup, build)
+
+
 FAMILIES: dict[str, Callable[[Sizes], Family]] = {
     "hetero": hetero,
     "multiturn": multiturn,
     "burst": burst,
     "longtail": longtail,
+    "docqa": docqa,
 }

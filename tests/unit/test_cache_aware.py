@@ -92,11 +92,47 @@ def test_a_later_turn_is_told_from_a_first(doc, continued):
 
 
 def test_the_key_hash_is_the_same_in_every_process():
-    """CRC-32 of the key, not Python's salted hash() of text."""
-    p = prefix_blocks({"prompt": "z" * (KEY_BYTES + 3 * BLOCK_BYTES)})
+    """CRC-32 of the key, not Python's salted hash() of text; each block is named by the
+    CRC-32 of its whole prefix, tagged with its length in blocks."""
+    data = b"z" * (KEY_BYTES + 3 * BLOCK_BYTES)
+    p = prefix_blocks({"prompt": data.decode()})
     assert p is not None and p.first == KEY_BYTES // BLOCK_BYTES
-    assert p.key == zlib.crc32(b"z" * KEY_BYTES) and p.blocks[0] == p.key
-    assert len(p.blocks) == 4 and len(set(p.blocks)) == 4
+    assert p.key == zlib.crc32(data[:KEY_BYTES]) and p.blocks[p.first] == p.key
+    depths = [*range(1, p.first + 1), None, *range(p.first + 1, p.first + 4)]
+    assert len(p.blocks) == len(depths) and len(set(p.blocks)) == len(depths)
+    for name, depth in zip(p.blocks, depths, strict=True):
+        if depth is not None:
+            assert name == zlib.crc32(data[: depth * BLOCK_BYTES]) | depth << 32
+
+
+@pytest.mark.parametrize("system", ["", "s" * 900, "s" * 3000, "s" * 40_000])
+@pytest.mark.parametrize("user", [10, 1500, 5000, 40_000])
+def test_every_name_is_its_prefixs_crc_wherever_the_cuts_fall(system, user):
+    """Preamble, key and blocks in one chained pass: each as if computed from scratch."""
+    import orjson
+
+    messages = [{"role": "system", "content": system}] if system else []
+    messages += [{"role": "user", "content": "u" * user}, {"role": "assistant", "content": "a"}]
+    messages += [{"role": "user", "content": "v" * 3000}]
+    p = prefix_blocks({"messages": messages})
+    assert p is not None and p.continued
+    data = orjson.dumps(messages)
+    key_end = len(orjson.dumps(messages[:-2])) - 1  # through the first user message
+    assert p.key == zlib.crc32(data[:key_end]) == p.blocks[p.first]
+    preamble_end = len(orjson.dumps(messages[:1])) - 1 if system else 0
+    if preamble_end >= BLOCK_BYTES:
+        assert p.preamble == zlib.crc32(data[:preamble_end])
+    else:
+        assert p.preamble == 0
+    names = p.blocks[: p.first] + p.blocks[p.first + 1 :]
+    for name in names:
+        depth = name >> 32
+        assert name & 0xFFFFFFFF == zlib.crc32(data[: depth * BLOCK_BYTES])
+    inside = [n >> 32 for n in p.blocks[: p.first]]
+    assert inside == list(range(1, min(key_end // BLOCK_BYTES, 32) + 1))
+    after = [n >> 32 for n in p.blocks[p.first + 1 :]]
+    last = min(len(data) // BLOCK_BYTES, key_end // BLOCK_BYTES + 32)
+    assert after == list(range(key_end // BLOCK_BYTES + 1, last + 1))
 
 
 @pytest.mark.parametrize(

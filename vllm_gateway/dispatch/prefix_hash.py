@@ -1,35 +1,35 @@
-"""A request's prompt as chained hashes of its block-aligned prefixes, and its stable key.
+"""A request's prompt as hashes of its block-aligned prefixes, and its stable key.
 
     prefix_blocks(doc) -> PrefixBlocks | None        (pure; None: no text to hash)
 
 The prompt text is the completion `prompt` (a string, or the first of a list of strings)
 encoded as UTF-8, or the chat `messages` as JSON (orjson's, so the same messages are the
 same bytes; one C call, cheaper than walking the messages in Python). It is cut into
-blocks of `BLOCK_BYTES`; the hash of a block is that of the block before it and its own
-bytes (chained), so equal hashes mean equal prefixes, as in vLLM's own prefix cache, and a
-conversation's next turn (the same messages plus new ones) repeats every hash of the turn
-before. Block hashes are Python's `hash()` (fast; salted per process, which is fine: each
-process keeps its own index of them).
+blocks of `BLOCK_BYTES`; each block-aligned prefix is named by the CRC-32 of all of it
+(computed in one pass, each CRC going on from the one before: CRC-32 chains) tagged with
+its length in blocks, so equal names mean equal prefixes, as in vLLM's own prefix cache,
+and a conversation's next turn (the same messages plus new ones) repeats every name of the
+turn before. CRC-32 is the same in every process, so replicas name prefixes alike.
 
 The **preamble** is what many conversations share: for chat, the messages before the first
 user message (the system prompt); its CRC-32 lets dispatch keep the conversations that
 share it on as few workers as their traffic needs (policies/cache_aware.py). A completion
 prompt has none, nor does a chat whose preamble is shorter than `MIN_PREAMBLE_BYTES`.
+What else many requests share (a document quoted at the start of the first user message,
+few-shot examples, a system prompt sent as a user message) shows as blocks inside the key
+that the prefix index has seen before; `shared_from` says how deep such a match must go
+to be more than the preamble.
 
 The **key** is the part that stays the same for every turn of one conversation and
 differs between conversations: for chat, the messages up to and including the first user
 message (the system prompt alone is shared by many conversations; with the first user
 message it is one conversation's); for a completion prompt, its first `KEY_BYTES`. Its
-hash (CRC-32, the same in every process and every replica, unlike Python's salted
-`hash()` of text) is what a rendezvous choice keys on.
+CRC-32 is what a rendezvous choice keys on.
 
-Only the blocks after the key are hashed one by one, chained from the key's hash: they
-are what tells one turn of a conversation from the next, and the blocks inside the key
-add nothing the key does not say (the key's own hash stands first among them). So a
-single-turn request costs one CRC over its key, and a long conversation one more call per
-block of history, at most `MAX_BLOCKS` of them. The block that holds the key's end is
-hashed from its start, key bytes included: equal either way for turns of one
-conversation.
+`blocks` lists the names of the blocks wholly inside the key (at most `MAX_BLOCKS`), then
+the key's own CRC (untagged: a name no block has), then the blocks after the key (at most
+`MAX_BLOCKS` more): each stands for the whole prefix up to its end, so the later an entry
+a worker holds, the more of the prompt it holds.
 """
 
 from __future__ import annotations
@@ -41,37 +41,48 @@ from typing import Any
 import orjson
 
 # 1 KiB: about 256 tokens of English text (16 of vLLM's default 16-token blocks), a turn
-# or two of a conversation. Each block costs a hash call (~0.3-1 us with its slice), so
+# or two of a conversation. Each block costs a CRC call (~0.2 us plus ~0.2 us per KiB), so
 # the size trades the depth resolution of a match for CPU per request.
 BLOCK_BYTES = 1024
-# Blocks hashed beyond the key: 32 x 1 KiB = 32 KiB of history; a longer prompt is
-# matched on its first 32 KiB after the key (its first turns tell it apart well enough).
+# Blocks named inside the key, and again after it: 32 x 1 KiB = 32 KiB each; a longer
+# prompt is matched on its first 32 KiB of each (they tell it apart well enough).
 MAX_BLOCKS = 32
 # The key of a completion prompt (no message structure to tell a conversation by).
 KEY_BYTES = 1024
 # A preamble shorter than one block (~256 tokens) is not one: its prefill is a few
 # milliseconds wherever it runs, not worth gathering its conversations (and their load)
-# onto few workers; they spread by their keys.
+# onto few workers; they spread by their keys. Likewise a shared part of the first user
+# message counts only when it runs at least this far past the preamble.
 MIN_PREAMBLE_BYTES = BLOCK_BYTES
+_TAG = 32  # a block's name: its prefix's CRC-32 | (its length in blocks << _TAG)
 
 
 class PrefixBlocks:
-    """One request's prefix hashes: `blocks[0]` is the key's, `blocks[i]` (i >= 1) that of
-    the key and everything up to the end of block `first + i - 1`: each stands for a
-    whole prefix."""
+    """One request's prefix names: `blocks[:first]` the blocks inside the key,
+    `blocks[first]` the key's, the rest the blocks after it; each stands for a whole
+    prefix."""
 
-    __slots__ = ("blocks", "continued", "first", "key", "preamble")
+    __slots__ = ("blocks", "continued", "first", "key", "preamble", "shared_from")
 
     def __init__(
-        self, key: int, first: int, blocks: list[int], preamble: int = 0, continued: bool = False
+        self,
+        key: int,
+        first: int,
+        blocks: list[int],
+        preamble: int = 0,
+        continued: bool = False,
+        shared_from: int = 1,
     ) -> None:
         self.key = key  # CRC-32 of the key: the same in every process
-        self.first = first  # blocks wholly inside the key (not hashed one by one)
-        self.blocks = blocks  # the key's hash, then the chained hashes of the blocks after
+        self.first = first  # names of blocks wholly inside the key, before the key's own
+        self.blocks = blocks
         self.preamble = preamble  # CRC-32 of the preamble; 0: none
         # A later turn of a chat: messages follow the first user message (its history was
         # sent somewhere before, by this process or another replica).
         self.continued = continued
+        # A shared match inside the key counts from this many blocks deep: it goes
+        # `MIN_PREAMBLE_BYTES` past the preamble's end (the preamble is matched by itself).
+        self.shared_from = shared_from
 
 
 def _chat(messages: list[Any]) -> tuple[bytes, int, int, bool] | None:
@@ -117,17 +128,44 @@ def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
         if found is None:
             return None
         data, preamble_end, key_end, continued = found
+    return _named(data, preamble_end, key_end, continued)
+
+
+def _named(data: bytes, preamble_end: int, key_end: int, continued: bool) -> PrefixBlocks:
+    """Name the prefixes of `data`: one CRC pass, cut at each block's end, the preamble's
+    and the key's (the CRC of a prefix goes on from that of the prefix before it)."""
     size = BLOCK_BYTES
-    first = key_end // size
-    end = min(len(data) // size, first + MAX_BLOCKS)
-    # The key's CRC goes on from the preamble's (CRC-32 chains): its bytes are read once.
-    preamble = zlib.crc32(data[:preamble_end]) if preamble_end else 0
-    key = zlib.crc32(data[preamble_end:key_end], preamble)
+    crc32 = zlib.crc32
+    view = memoryview(data)
+    inner = min(key_end // size, MAX_BLOCKS)
+    after = min(len(data) // size, key_end // size + MAX_BLOCKS)
+    blocks: list[int] = []
+    crc = pos = preamble = 0
+    for b in range(1, inner + 1):  # the blocks inside the key, the preamble's end a cut
+        end = b * size
+        if pos < preamble_end <= end:
+            crc = crc32(view[pos:preamble_end], crc)
+            pos, preamble = preamble_end, crc
+        crc = crc32(view[pos:end], crc)
+        pos = end
+        blocks.append(crc | b << _TAG)
+    boundary, at_boundary = pos, crc
+    if pos < preamble_end:
+        crc = crc32(view[pos:preamble_end], crc)
+        pos, preamble = preamble_end, crc
+    blocks.append(crc32(view[pos:key_end], crc))  # the key's: CRC-32 of data[:key_end]
+    key = blocks[-1]
+    start = key_end // size * size
+    if after * size > start + size - 1:
+        # The blocks after the key go on from the last block boundary inside it (the same
+        # one unless the key is longer than MAX_BLOCKS: then read on to it once more).
+        crc = crc32(view[boundary:start], at_boundary) if start > boundary else at_boundary
+        for b in range(start // size + 1, after + 1):
+            end = b * size
+            crc = crc32(view[start:end], crc)
+            start = end
+            blocks.append(crc | b << _TAG)
     if preamble_end < MIN_PREAMBLE_BYTES:
         preamble = 0
-    blocks = [key]
-    h = key
-    for start in range(first * size, end * size, size):
-        h = hash((h, data[start : start + size]))
-        blocks.append(h)
-    return PrefixBlocks(key, first, blocks, preamble, continued)
+    shared_from = -(-(preamble_end + MIN_PREAMBLE_BYTES) // size)
+    return PrefixBlocks(key, inner, blocks, preamble, continued, shared_from)

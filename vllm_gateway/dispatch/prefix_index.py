@@ -3,10 +3,11 @@
     index.record(worker, blocks)       after a request for `blocks` was sent to `worker`
     index.deepest(blocks, candidates)  the candidates holding the longest prefix of `blocks`
     index.holds(h, worker)             whether `worker` holds hash `h` (e.g. a preamble's)
+    index.known(h)                     whether any worker does
     index.forget_missing(present)      drop the workers that left the registry
 
-Per worker, the block hashes sent there (prefix_hash.py), with the preamble's CRC-32 as one
-more entry, in least-recently-sent order,
+Per worker, the block names sent there (prefix_hash.py), with the preamble's CRC-32 as one
+more entry, in least-recently-sent order (a prompt's tail before its head, as vLLM evicts),
 bounded like a cache: past `capacity` blocks the least recently sent is evicted, as vLLM
 evicts the least recently used free block. `capacity` is the worker's KV cache in our
 blocks when it reports one (`vllm:cache_config_info`: num_gpu_blocks x block_size tokens,
@@ -77,7 +78,9 @@ class PrefixIndex:
         hashes = blocks.blocks
         if blocks.preamble:  # its own entry, so a new conversation finds who holds it
             hashes = [blocks.preamble, *hashes]
-        for h in hashes:
+        # Tail first, so the head is the most recent: a prompt's tail is evicted before
+        # its head, as vLLM frees a request's blocks, and what stays is a prefix.
+        for h in reversed(hashes):
             if h in sent:
                 touch(h)
             else:
@@ -109,6 +112,10 @@ class PrefixIndex:
                 if found:
                     return found, depth
         return [], 0
+
+    def known(self, h: int) -> bool:
+        """Whether some worker (whichever) was sent block hash `h` and holds it still."""
+        return h in self._where
 
     def forget_missing(self, present: set[Worker]) -> None:
         """Forget what was sent to workers no longer in the registry."""

@@ -54,7 +54,7 @@ import math
 import random
 import zlib
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.buckets import PROBE_START
@@ -192,11 +192,16 @@ class CacheAware:
             if len(self._shares) >= MAX_MODELS:
                 self._shares.clear()
             shares = self._shares[info.model] = _Shares(self._bound)
+        preamble = self._shared(blocks, shares.counts)
         # Every request with prompt text counts (preamble 0: none), so a preamble's share
         # is of all the model's traffic: what the workers it needs are measured against.
-        share = shares.add(blocks.preamble)
+        share = shares.add(preamble)
         one = len(candidates) == 1
-        worker = candidates[0] if one else self._choose(candidates, blocks, share, shares, info)
+        worker = (
+            candidates[0]
+            if one
+            else self._choose(candidates, blocks, preamble, share, shares, info)
+        )
         if worker is not None:
             self.index.record(worker, blocks)
         return worker
@@ -217,19 +222,41 @@ class CacheAware:
         if blocks.continued:
             held, depth = index.deepest(blocks.blocks, gated)
             _, there = index.deepest(blocks.blocks, candidates)
-            if depth > there:
+            first = blocks.first  # deeper than the blocks inside the key: its own history
+            if depth > max(there, first):
                 return held
-            if there:
+            if there > first:
                 return []
-        if blocks.preamble:
-            if any(index.holds(blocks.preamble, w) for w in candidates):
+        shares = self._shares.get(info.model)
+        preamble = self._shared(blocks, shares.counts if shares is not None else {})
+        if preamble:
+            if any(index.holds(preamble, w) for w in candidates):
                 return []
-            return [w for w in gated if index.holds(blocks.preamble, w)]
+            return [w for w in gated if index.holds(preamble, w)]
         if blocks.continued:
             key = blocks.key
             home = min((*gated, *candidates), key=lambda w: self._rank(key, w))
             return [home] if home in gated else []  # (Worker equality is identity)
         return []
+
+    def _shared(self, blocks: PrefixBlocks, counted: Mapping[int, int]) -> int:
+        """What this request shares with many: the deepest prefix inside its key that is
+        known, if it runs `MIN_PREAMBLE_BYTES` past the preamble (a document quoted in the
+        first user message, few-shot examples, a system prompt sent as a user message):
+        its name then stands for the preamble. Else the preamble (0: none).
+
+        Known: counted as a preamble among the model's recent requests (`counted`), or
+        sent to some worker (candidate or not, so the name does not change as workers fill
+        and free) that the index still remembers. The first request with it seeds the
+        index; from the second on, its share keeps it known while the index forgets it
+        under the requests' own blocks."""
+        hashes = blocks.blocks
+        where = self.index.known
+        for depth in range(blocks.first, max(blocks.shared_from, 1) - 1, -1):
+            h = hashes[depth - 1]
+            if h in counted or where(h):
+                return h
+        return blocks.preamble
 
     def forget_missing(self, present: set[Worker]) -> None:
         """Forget the workers that left the registry (what they were sent, their ranks)."""
@@ -247,6 +274,7 @@ class CacheAware:
         self,
         candidates: Sequence[Worker],
         blocks: PrefixBlocks,
+        preamble: int,
         share: float,
         shares: _Shares,
         info: RequestInfo,
@@ -274,8 +302,8 @@ class CacheAware:
         # the slack.
         view = _View(candidates, loads, speeds, (sum(loads) + 1.0) / total_speed)
         held = HISTORY_SLACK * (self._bound - 1.0)
-        holders, _ = self.index.deepest(blocks.blocks, candidates)
-        if holders:
+        holders, depth = self.index.deepest(blocks.blocks, candidates)
+        if depth > blocks.first:  # they hold the key: this conversation's own history
             # Few holders (a conversation's history is on one worker or two): a C scan each.
             among = [candidates.index(w) for w in holders]
             best = self._home(blocks.key, among, view, held)
@@ -285,14 +313,14 @@ class CacheAware:
                 return best
         # A worker that holds the preamble keeps new conversations within the history's
         # bound too: sent elsewhere, the preamble is prefilled again, as a history would be.
-        extra = (self._bound - 1.0, held, blocks.preamble)
+        extra = (self._bound - 1.0, held, preamble)
         # A later turn this process has no history for: another replica (or a moment when
         # its holders were full) placed its earlier turns, most likely on the first choice
         # below, which every replica computes alike from the request; only the load
         # bound, read from each replica's own in-flight view, differs between them. So
         # there the bound gives way to the capacity gate, as it does for a known history.
         sticky = blocks.continued
-        best = self._preamble_home(view, blocks, share, shares, extra, sticky)
+        best = self._preamble_home(view, blocks.key, preamble, share, shares, extra, sticky)
         if best is not None:
             return best
         best = self._home(blocks.key, range(len(candidates)), view, extra, sticky)
@@ -304,7 +332,8 @@ class CacheAware:
     def _preamble_home(
         self,
         view: _View,
-        blocks: PrefixBlocks,
+        key: int,
+        preamble: int,
         share: float,
         shares: _Shares,
         extra: tuple[float, float, int],
@@ -318,12 +347,12 @@ class CacheAware:
         order: list[int] | None = None
         # The popular preambles: where the plan puts them (preamble_plan.py).
         planned = None
-        if blocks.preamble:
+        if preamble:
             planned = shares.plan.among(
-                blocks.preamble, share, shares.samples, candidates, shares.counts, ranks_for
+                preamble, share, shares.samples, candidates, shares.counts, ranks_for
             )
         if planned is None:
-            if not blocks.preamble:  # nothing shared to cache: spread by the key
+            if not preamble:  # nothing shared to cache: spread by the key
                 return None
             # The others: each may carry `load_bound` x its fair share, so a preamble with
             # share s needs n x s / load_bound workers, the first of its own order.
@@ -331,17 +360,17 @@ class CacheAware:
             want = wanted(share, weighted, self._bound)
             if want >= weighted:
                 return None
-            ranks = ranks_for(blocks.preamble, candidates)
+            ranks = ranks_for(preamble, candidates)
             order = sorted(range(n), key=ranks.__getitem__)
             planned = order[:want]
-        best = self._home(blocks.key, planned, view, extra, sticky)
+        best = self._home(key, planned, view, extra, sticky)
         if best is not None:
             return best
         # All of them past the bound: the preamble's next worker in its own order that
         # has room, so its overflow lands where its earlier overflow went (and every
         # replica sends it to the same one), not wherever each conversation's key says.
         if order is None:
-            ranks = ranks_for(blocks.preamble, candidates)
+            ranks = ranks_for(preamble, candidates)
             order = sorted(range(n), key=ranks.__getitem__)
         for j in order:
             if j in planned or not view.speeds[j] > 0:
