@@ -91,7 +91,9 @@ def measure(family: Family, system: System, seed: int, args: argparse.Namespace,
     worker_procs, workers = start_workers(family.workers)
     procs = list(worker_procs)
     try:
-        system_procs, urls = start_system(system, workers, args.replicas, router_bin)
+        system_procs, urls = start_system(
+            system, workers, args.replicas, router_bin, args.gateway_processes
+        )
         procs += system_procs
         start = cpu_ticks()
         with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop, as the gateway
@@ -118,6 +120,9 @@ def parse_args() -> argparse.Namespace:
                     help="gateway policies (default: its default and prefix)")  # fmt: skip
     ap.add_argument("--replicas", type=int, default=1,
                     help="processes of each system, requests alternating between them")  # fmt: skip
+    ap.add_argument("--gateway-processes", type=int, default=1,
+                    help="the gateway as serve --processes N (its processes share one port; "
+                         "the kernel spreads the client's connections over them)")  # fmt: skip
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--duration", type=float, default=15.0, help="measured seconds of arrivals")
     ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first")
@@ -145,7 +150,8 @@ def run_all(
     results: dict[str, dict[str, list[dict]]] = {
         f.name: {s.name: [] for s in chosen} for f in families
     }
-    raw = OUT / f"dispatch-families-r{args.replicas}.json"
+    key = report.doc_key("families", args.replicas, args.gateway_processes).replace(" ", "-")
+    raw = OUT / f"dispatch-{key}.json"
     for run in range(args.runs):
         for family in families:
             for system in chosen:
@@ -179,10 +185,11 @@ def main() -> None:
         workers = "; ".join(f"{n} x {text}" if n > 1 else text for text, n in kinds_of.items())
         setup = f"{len(family.workers)} workers ({workers}); {family.setup}"
         lines = report.table(results[family.name], kinds, args.runs)
-        block = report.section(family.name, args.replicas, setup, args.runs, lines)
+        processes = args.gateway_processes
+        block = report.section(family.name, args.replicas, setup, args.runs, lines, processes)
         print("\n" + "\n".join(block), flush=True)
         if not args.no_doc:
-            report.write_doc(f"{family.name} r{args.replicas}", block)
+            report.write_doc(report.doc_key(family.name, args.replicas, processes), block)
 
 
 if __name__ == "__main__":

@@ -74,9 +74,18 @@ def table(results: dict[str, list[dict]], kinds: dict[str, str], runs_wanted: in
     return lines
 
 
-def section(family: str, replicas: int, setup: str, runs: int, lines: list[str]) -> list[str]:
+def section(
+    family: str, replicas: int, setup: str, runs: int, lines: list[str], processes: int = 1
+) -> list[str]:
     title = f"#### {family}" + (f", {replicas} replicas of each system" if replicas > 1 else "")
+    if processes > 1:
+        title += f", the gateway as `serve --processes {processes}`"
     return [title, "", f"Setup: {setup}; median of {runs} runs.", "", *lines]
+
+
+def doc_key(family: str, replicas: int, processes: int = 1) -> str:
+    """The doc block's name: family, replicas, and the gateway's processes when not 1."""
+    return f"{family} r{replicas}" + (f" p{processes}" if processes > 1 else "")
 
 
 def write_doc(key: str, lines: list[str]) -> None:

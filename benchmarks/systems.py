@@ -63,9 +63,11 @@ def start_workers(specs: Sequence[WorkerSpec]) -> tuple[list[Proc], list[str]]:
 
 
 def start_system(
-    system: System, workers: list[str], replicas: int, router_bin: str | None
+    system: System, workers: list[str], replicas: int, router_bin: str | None, processes: int = 1
 ) -> tuple[list[Proc], list[str]]:
-    """Start `replicas` processes of `system` in front of `workers`: procs and entry URLs."""
+    """Start `replicas` of `system` in front of `workers`: procs and entry URLs. The
+    gateway runs as `serve --processes processes` (vllm-router as it is: one process
+    using every core)."""
     procs: list[Proc] = []
     urls: list[str] = []
     try:
@@ -75,7 +77,7 @@ def start_system(
                 name = f"dispatch-router-{system.policy}-{r}"
                 proc, url = start_router(router_bin, workers, ["--policy", system.policy], name)
             else:
-                proc, url = _start_gateway(system.policy, workers, r)
+                proc, url = _start_gateway(system.policy, workers, r, processes)
             procs.append(proc)
             urls.append(url)
     except Exception:
@@ -84,9 +86,13 @@ def start_system(
     return procs, urls
 
 
-def _start_gateway(policy: str, workers: list[str], replica: int) -> tuple[Proc, str]:
+def _start_gateway(
+    policy: str, workers: list[str], replica: int, processes: int = 1
+) -> tuple[Proc, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm_gateway", "serve", "--port", str(port)]
+    if processes > 1:
+        cmd += ["--processes", str(processes)]
     cmd += ["--policy", policy, "--log-level", "warning", "--log-format", "json"]
     for url in workers:
         cmd += ["--worker", url]

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from benchmarks.cache_stats import _SAMPLE, hit_rate
-from benchmarks.families import FAMILIES, Sizes, multiturn
+from benchmarks.dispatch_report import doc_key
+from benchmarks.families import DOCS, FAMILIES, Sizes, docqa, multiturn
 from benchmarks.workload import WorkerSpec, bursts, poisson
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
 
@@ -49,6 +50,24 @@ def test_multiturn_cache_holds_a_share_of_every_conversation() -> None:
     bigger = multiturn(Sizes(3, 15, 0.7, cache_share=1.0)).workers[0].num_gpu_blocks
     assert per_worker is not None and bigger is not None
     assert bigger == pytest.approx(2 * per_worker, abs=1)
+
+
+def test_docqa_quotes_popular_documents_first_in_the_user_message() -> None:
+    from collections import Counter
+
+    family = docqa(SIZES)
+    requests = family.build(random.Random(0))
+    assert all(len(c.turns) == 1 for c in requests) and len(requests) > 200
+    docs = Counter(c.turns[0].user.split(":", 1)[0] for c in requests)
+    assert set(docs) <= {f"Document {i}" for i in range(DOCS)} and len(docs) > DOCS // 2
+    assert docs.most_common(1)[0][0] == "Document 0"  # Zipf: the first is the most popular
+    assert len({c.turns[0].user for c in requests}) == len(requests)  # each its question
+    assert {len(c.system) for c in requests} == {len("You are a helpful assistant.")}
+
+
+def test_the_doc_block_of_a_run_names_its_replicas_and_gateway_processes() -> None:
+    assert doc_key("multiturn", 1) == "multiturn r1"  # as before: existing blocks stay
+    assert doc_key("multiturn", 2, 2) == "multiturn r2 p2"
 
 
 def test_hit_rate_reads_the_fake_workers_counters() -> None:

@@ -231,6 +231,94 @@ def test_a_system_prompt_shorter_than_a_block_is_no_preamble():
     assert min(homes.values()) >= 60, homes  # ~100 each, not one worker's worth
 
 
+DOCUMENTS = [f"Document {d}: " + " ".join(f"d{d}w{i}" for i in range(500)) for d in range(4)]
+
+
+def question(doc: int, i: int, system: str = "Be brief.") -> dict:
+    """A chat whose first user message quotes document `doc` (~3.5 KB), then asks."""
+    return chat(f"{DOCUMENTS[doc]}\n\nQuestion {i}: what does it say?", system=system)
+
+
+def test_a_document_quoted_in_the_first_user_message_is_shared_like_a_preamble():
+    """Questions about one of 4 equally popular documents, the document at the start of
+    the user message (no system prompt worth caching): each document's questions go to
+    the one worker its share needs, as a system prompt's would; by their keys alone (each
+    question its own), every worker would prefill every document."""
+    assert prefix_blocks(question(0, 1)).preamble == 0  # no preamble by itself
+    ws = workers(4)
+    p = policy()
+    where: dict[int, Counter] = {d: Counter() for d in range(4)}
+    for i in range(800):
+        chosen = p.select(ws, info(question(i % 4, i)))
+        if i >= 200:
+            where[i % 4][chosen] += 1
+    assert all(len(on) == 1 for on in where.values()), where
+    assert len({w for on in where.values() for w in on}) == 4, where
+
+
+@pytest.mark.parametrize(("repeat", "gathers"), [(10, False), (60, True)])  # ~0.5, ~3 KB
+def test_a_shared_start_of_the_user_message_gathers_only_past_a_block(repeat, gathers):
+    """What requests share past the system prompt must be worth a block (~256 tokens) of
+    prefill before their placement gives way to it, as for a preamble: 4 instructions
+    quoted at the start of the user message, each on a quarter of the requests."""
+    ws = workers(4)
+    p = policy()
+    starts = [f"Instruction {k}: answer from the text below, in one sentence. " * repeat
+              for k in range(4)]  # fmt: skip
+    where: dict[int, Counter] = {k: Counter() for k in range(4)}
+    for i in range(800):
+        chosen = p.select(ws, info(chat(f"{starts[i % 4]}\nuser {i}: " + "x" * 300)))
+        # After the plan made at 256 requests: the first ones, counted under the system
+        # prompt until each instruction was known, made a plan with it among the popular.
+        if i >= 300:
+            where[i % 4][chosen] += 1
+    if gathers:
+        assert all(len(on) == 1 for on in where.values()), where
+    else:  # by their keys: every instruction on every worker
+        assert all(len(on) == 4 for on in where.values()), where
+
+
+def test_a_shared_document_stays_known_when_the_index_has_forgotten_it():
+    """The index, sized like a worker's cache, forgets a document under other traffic;
+    its share, counted over the recent requests, keeps it known, so its next questions
+    still go where its earlier ones went."""
+    ws = workers(4)
+    for w in ws:  # 2048 tokens x 16 B: 32 blocks remembered, a document is 3
+        w.stats = EngineStats(0, 0, None, 0.0, cache_tokens=2048)
+    p = policy()
+
+    def place(start: int, count: int) -> dict[int, set[Worker]]:
+        where: dict[int, set[Worker]] = {d: set() for d in range(4)}
+        for i in range(start, start + count):
+            where[i % 4].add(p.select(ws, info(question(i % 4, i))))
+        return where
+
+    place(0, 200)
+    before = place(200, 200)
+    assert all(len(on) == 1 for on in before.values()), before
+    for k in range(40):  # other traffic: 2 blocks of its own each, on every worker
+        for w in ws:
+            p.index.record(w, prefix_blocks(chat(f"other {k} " + "y" * 1200, system="s")))
+    names = [prefix_blocks(question(d, 0)) for d in range(4)]
+    assert not any(p.index.known(h) for b in names for h in b.blocks[: b.first])  # forgotten
+    assert place(400, 100) == before
+
+
+def test_two_replicas_place_a_documents_questions_alike():
+    """Requests alternating between two gateways: the name of a shared document is the
+    same in both (CRC-32), and so are its share, plan and order."""
+    ws = workers(4)
+    one, other = policy(), policy()
+    where: dict[int, set[str]] = {d: set() for d in range(4)}
+    for i in range(800):
+        p = (one, other)[i % 2]
+        d = (i // 2) % 4
+        chosen = p.select(ws, info(question(d, i)))
+        if i >= 200:
+            where[d].add(chosen.url)
+    assert all(len(on) == 1 for on in where.values()), where
+
+
 def preambles_placed(p: CacheAware, ws: list[Worker], systems: list[str], count: int,
                      skip: int = 100, tag: str = "") -> dict[int, Counter]:  # fmt: skip
     """Where `count` first turns (new conversations), cycling over `systems`, go (after
