@@ -92,23 +92,23 @@ def test_a_later_turn_is_told_from_a_first(doc, continued):
 
 
 def test_the_key_hash_is_the_same_in_every_process():
-    """CRC-32 of the key, not Python's salted hash() of text; each block is named by the
-    CRC-32 of its whole prefix, tagged with its length in blocks."""
+    """CRC-32 of the key, not Python's salted hash() of text; a block inside the key is
+    named by the CRC-32 of its whole prefix, tagged with its length in blocks."""
     data = b"z" * (KEY_BYTES + 3 * BLOCK_BYTES)
     p = prefix_blocks({"prompt": data.decode()})
-    assert p is not None and p.first == KEY_BYTES // BLOCK_BYTES
+    assert p is not None and p.first == KEY_BYTES // BLOCK_BYTES == 1
     assert p.key == zlib.crc32(data[:KEY_BYTES]) and p.blocks[p.first] == p.key
-    depths = [*range(1, p.first + 1), None, *range(p.first + 1, p.first + 4)]
-    assert len(p.blocks) == len(depths) and len(set(p.blocks)) == len(depths)
-    for name, depth in zip(p.blocks, depths, strict=True):
-        if depth is not None:
-            assert name == zlib.crc32(data[: depth * BLOCK_BYTES]) | depth << 32
+    assert p.blocks[0] == zlib.crc32(data[:BLOCK_BYTES]) | 1 << 32
+    assert len(p.blocks) == 5 and len(set(p.blocks)) == 5  # and 3 blocks after the key
 
 
 @pytest.mark.parametrize("system", ["", "s" * 900, "s" * 3000, "s" * 40_000])
 @pytest.mark.parametrize("user", [10, 1500, 5000, 40_000])
-def test_every_name_is_its_prefixs_crc_wherever_the_cuts_fall(system, user):
-    """Preamble, key and blocks in one chained pass: each as if computed from scratch."""
+def test_names_inside_the_key_are_crcs_of_prefixes_wherever_the_cuts_fall(system, user):
+    """Preamble, blocks inside the key and key in one chained CRC pass: each as if
+    computed from scratch, and the same in every process; the blocks inside the key named
+    are those a block or more past the preamble (up to 32 KiB deep), and after the key one
+    name per block (up to 32 more)."""
     import orjson
 
     messages = [{"role": "system", "content": system}] if system else []
@@ -124,15 +124,11 @@ def test_every_name_is_its_prefixs_crc_wherever_the_cuts_fall(system, user):
         assert p.preamble == zlib.crc32(data[:preamble_end])
     else:
         assert p.preamble == 0
-    names = p.blocks[: p.first] + p.blocks[p.first + 1 :]
-    for name in names:
-        depth = name >> 32
-        assert name & 0xFFFFFFFF == zlib.crc32(data[: depth * BLOCK_BYTES])
-    inside = [n >> 32 for n in p.blocks[: p.first]]
-    assert inside == list(range(1, min(key_end // BLOCK_BYTES, 32) + 1))
-    after = [n >> 32 for n in p.blocks[p.first + 1 :]]
-    last = min(len(data) // BLOCK_BYTES, key_end // BLOCK_BYTES + 32)
-    assert after == list(range(key_end // BLOCK_BYTES + 1, last + 1))
+    shared_from = -(-(preamble_end + BLOCK_BYTES) // BLOCK_BYTES)
+    depths = list(range(shared_from, min(key_end // BLOCK_BYTES, 32) + 1))
+    assert p.blocks[: p.first] == [zlib.crc32(data[: d * BLOCK_BYTES]) | d << 32 for d in depths]
+    after = min(len(data) // BLOCK_BYTES, key_end // BLOCK_BYTES + 32) - key_end // BLOCK_BYTES
+    assert len(p.blocks) == p.first + 1 + after
 
 
 @pytest.mark.parametrize(

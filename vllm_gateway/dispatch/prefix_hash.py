@@ -5,11 +5,13 @@
 The prompt text is the completion `prompt` (a string, or the first of a list of strings)
 encoded as UTF-8, or the chat `messages` as JSON (orjson's, so the same messages are the
 same bytes; one C call, cheaper than walking the messages in Python). It is cut into
-blocks of `BLOCK_BYTES`; each block-aligned prefix is named by the CRC-32 of all of it
-(computed in one pass, each CRC going on from the one before: CRC-32 chains) tagged with
-its length in blocks, so equal names mean equal prefixes, as in vLLM's own prefix cache,
-and a conversation's next turn (the same messages plus new ones) repeats every name of the
-turn before. CRC-32 is the same in every process, so replicas name prefixes alike.
+blocks of `BLOCK_BYTES`; each block-aligned prefix is named, so equal names mean equal
+prefixes, as in vLLM's own prefix cache, and a conversation's next turn (the same
+messages plus new ones) repeats every name of the turn before. Up to the key's end, a name
+is the CRC-32 of all of the prefix (one pass, each CRC going on from the one before:
+CRC-32 chains) tagged with its length in blocks: the same in every process, so replicas
+name a shared prefix alike. After the key, where only this process's index reads them,
+it is Python's `hash()` of the block and the name before it (cheaper per block).
 
 The **preamble** is what many conversations share: for chat, the messages before the first
 user message (the system prompt); its CRC-32 lets dispatch keep the conversations that
@@ -17,8 +19,8 @@ share it on as few workers as their traffic needs (policies/cache_aware.py). A c
 prompt has none, nor does a chat whose preamble is shorter than `MIN_PREAMBLE_BYTES`.
 What else many requests share (a document quoted at the start of the first user message,
 few-shot examples, a system prompt sent as a user message) shows as blocks inside the key
-that the prefix index has seen before; `shared_from` says how deep such a match must go
-to be more than the preamble.
+that were seen before; only those that end at least `MIN_PREAMBLE_BYTES` past the
+preamble are named (a match inside the preamble would say nothing the preamble does not).
 
 The **key** is the part that stays the same for every turn of one conversation and
 differs between conversations: for chat, the messages up to and including the first user
@@ -26,10 +28,11 @@ message (the system prompt alone is shared by many conversations; with the first
 message it is one conversation's); for a completion prompt, its first `KEY_BYTES`. Its
 CRC-32 is what a rendezvous choice keys on.
 
-`blocks` lists the names of the blocks wholly inside the key (at most `MAX_BLOCKS`), then
+`blocks` lists the names of those blocks inside the key (up to `MAX_BLOCKS` deep), then
 the key's own CRC (untagged: a name no block has), then the blocks after the key (at most
-`MAX_BLOCKS` more): each stands for the whole prefix up to its end, so the later an entry
-a worker holds, the more of the prompt it holds.
+`MAX_BLOCKS` more, the one holding the key's end read from its start): each stands for
+the whole prefix up to its end, so the later an entry a worker holds, the more of the
+prompt it holds.
 """
 
 from __future__ import annotations
@@ -41,8 +44,8 @@ from typing import Any
 import orjson
 
 # 1 KiB: about 256 tokens of English text (16 of vLLM's default 16-token blocks), a turn
-# or two of a conversation. Each block costs a CRC call (~0.2 us plus ~0.2 us per KiB), so
-# the size trades the depth resolution of a match for CPU per request.
+# or two of a conversation. Each block costs a CRC or hash() call (~0.3-0.4 us), so the
+# size trades the depth resolution of a match for CPU per request.
 BLOCK_BYTES = 1024
 # Blocks named inside the key, and again after it: 32 x 1 KiB = 32 KiB each; a longer
 # prompt is matched on its first 32 KiB of each (they tell it apart well enough).
@@ -58,20 +61,14 @@ _TAG = 32  # a block's name: its prefix's CRC-32 | (its length in blocks << _TAG
 
 
 class PrefixBlocks:
-    """One request's prefix names: `blocks[:first]` the blocks inside the key,
-    `blocks[first]` the key's, the rest the blocks after it; each stands for a whole
-    prefix."""
+    """One request's prefix names: `blocks[:first]` the blocks inside the key a shared
+    match could end at (`MIN_PREAMBLE_BYTES` past the preamble and on), `blocks[first]` the
+    key's, the rest the blocks after it; each stands for a whole prefix."""
 
-    __slots__ = ("blocks", "continued", "first", "key", "preamble", "shared_from")
+    __slots__ = ("blocks", "continued", "first", "key", "preamble")
 
     def __init__(
-        self,
-        key: int,
-        first: int,
-        blocks: list[int],
-        preamble: int = 0,
-        continued: bool = False,
-        shared_from: int = 1,
+        self, key: int, first: int, blocks: list[int], preamble: int = 0, continued: bool = False
     ) -> None:
         self.key = key  # CRC-32 of the key: the same in every process
         self.first = first  # names of blocks wholly inside the key, before the key's own
@@ -80,9 +77,6 @@ class PrefixBlocks:
         # A later turn of a chat: messages follow the first user message (its history was
         # sent somewhere before, by this process or another replica).
         self.continued = continued
-        # A shared match inside the key counts from this many blocks deep: it goes
-        # `MIN_PREAMBLE_BYTES` past the preamble's end (the preamble is matched by itself).
-        self.shared_from = shared_from
 
 
 def _chat(messages: list[Any]) -> tuple[bytes, int, int, bool] | None:
@@ -132,40 +126,36 @@ def prefix_blocks(doc: Mapping[str, Any]) -> PrefixBlocks | None:
 
 
 def _named(data: bytes, preamble_end: int, key_end: int, continued: bool) -> PrefixBlocks:
-    """Name the prefixes of `data`: one CRC pass, cut at each block's end, the preamble's
-    and the key's (the CRC of a prefix goes on from that of the prefix before it)."""
+    """Name the prefixes of `data`. Up to the key's end, one CRC pass (the CRC of a prefix
+    goes on from that of the prefix before it), cut at the preamble's end, at each block's
+    end inside the key that lies `MIN_PREAMBLE_BYTES` past it, and at the key's end; after
+    it, each block's `hash()` chained from the key's."""
     size = BLOCK_BYTES
     crc32 = zlib.crc32
-    view = memoryview(data)
-    inner = min(key_end // size, MAX_BLOCKS)
-    after = min(len(data) // size, key_end // size + MAX_BLOCKS)
+    if len(data) < size:  # no block, and no preamble (shorter than one): the key alone
+        key = crc32(data[:key_end])
+        return PrefixBlocks(key, 0, [key], 0, continued)
+    view = memoryview(data)  # slices without copies
+    crc = crc32(view[:preamble_end]) if preamble_end else 0
+    preamble = crc if preamble_end >= MIN_PREAMBLE_BYTES else 0
+    pos = preamble_end
     blocks: list[int] = []
-    crc = pos = preamble = 0
-    for b in range(1, inner + 1):  # the blocks inside the key, the preamble's end a cut
+    # Inside the key, only blocks a shared match could end at are named (the preamble is
+    # named as a whole, and a match inside it would be nothing more).
+    shared_from = -(-(preamble_end + MIN_PREAMBLE_BYTES) // size)
+    for b in range(shared_from, min(key_end // size, MAX_BLOCKS) + 1):
         end = b * size
-        if pos < preamble_end <= end:
-            crc = crc32(view[pos:preamble_end], crc)
-            pos, preamble = preamble_end, crc
         crc = crc32(view[pos:end], crc)
         pos = end
         blocks.append(crc | b << _TAG)
-    boundary, at_boundary = pos, crc
-    if pos < preamble_end:
-        crc = crc32(view[pos:preamble_end], crc)
-        pos, preamble = preamble_end, crc
-    blocks.append(crc32(view[pos:key_end], crc))  # the key's: CRC-32 of data[:key_end]
-    key = blocks[-1]
+    first = len(blocks)
+    h = key = crc32(view[pos:key_end], crc)  # CRC-32 of data[:key_end]
+    blocks.append(key)
+    # After the key, names only this process's index reads: Python's hash() of each block
+    # (salted per process; cheaper per call than a CRC of a memoryview slice), chained
+    # from the key's, the block holding the key's end read from its start.
     start = key_end // size * size
-    if after * size > start + size - 1:
-        # The blocks after the key go on from the last block boundary inside it (the same
-        # one unless the key is longer than MAX_BLOCKS: then read on to it once more).
-        crc = crc32(view[boundary:start], at_boundary) if start > boundary else at_boundary
-        for b in range(start // size + 1, after + 1):
-            end = b * size
-            crc = crc32(view[start:end], crc)
-            start = end
-            blocks.append(crc | b << _TAG)
-    if preamble_end < MIN_PREAMBLE_BYTES:
-        preamble = 0
-    shared_from = -(-(preamble_end + MIN_PREAMBLE_BYTES) // size)
-    return PrefixBlocks(key, inner, blocks, preamble, continued, shared_from)
+    for begin in range(start, min(len(data) // size, start // size + MAX_BLOCKS) * size, size):
+        h = hash((h, data[begin : begin + size]))
+        blocks.append(h)
+    return PrefixBlocks(key, first, blocks, preamble, continued)

@@ -251,10 +251,10 @@ class CacheAware:
         index; from the second on, its share keeps it known while the index forgets it
         under the requests' own blocks."""
         hashes = blocks.blocks
-        where = self.index.known
-        for depth in range(blocks.first, max(blocks.shared_from, 1) - 1, -1):
-            h = hashes[depth - 1]
-            if h in counted or where(h):
+        known = self.index.known
+        for i in range(blocks.first - 1, -1, -1):  # the blocks inside the key, deepest first
+            h = hashes[i]
+            if h in counted or known(h):
                 return h
         return blocks.preamble
 
