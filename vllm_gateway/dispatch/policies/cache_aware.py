@@ -31,6 +31,10 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    worker pays the preamble's prefill, not every worker a key would pick. A worker the
    index says holds the preamble gets the history's looser bound: a conversation sent
    away from it prefills the preamble again, as a moved history would be.
+   A shared start of the first user message (a document quoted for questions about
+   it, few-shot examples; `_shared`) is a preamble too: the deepest block inside the key,
+   a block or more past the system prompt, that is known (counted as a preamble among
+   the recent requests, or in the index) stands for it.
 
 The load bound, per worker: `load + 1 <= ceil(fair + (load_bound - 1) x max(fair,
 capacity))`, where `fair` is its share of the total load (this request included) in
