@@ -7,7 +7,9 @@
     index.forget_missing(present)      drop the workers that left the registry
 
 Per worker, the block names sent there (prefix_hash.py), with the preamble's CRC-32 as one
-more entry, in least-recently-sent order (a prompt's tail before its head, as vLLM evicts),
+more entry, in least-recently-sent order (of one prompt, its head first: what stays longest
+is its deepest names, which tell the latest holder of a conversation that moved from an
+earlier one; vLLM itself evicts a prompt's tail first, but the index is a guess for routing),
 bounded like a cache: past `capacity` blocks the least recently sent is evicted, as vLLM
 evicts the least recently used free block. `capacity` is the worker's KV cache in our
 blocks when it reports one (`vllm:cache_config_info`: num_gpu_blocks x block_size tokens,
@@ -78,9 +80,7 @@ class PrefixIndex:
         hashes = blocks.blocks
         if blocks.preamble:  # its own entry, so a new conversation finds who holds it
             hashes = [blocks.preamble, *hashes]
-        # Tail first, so the head is the most recent: a prompt's tail is evicted before
-        # its head, as vLLM frees a request's blocks, and what stays is a prefix.
-        for h in reversed(hashes):
+        for h in hashes:
             if h in sent:
                 touch(h)
             else:
