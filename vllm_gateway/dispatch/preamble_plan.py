@@ -2,6 +2,7 @@
 
     plan.among(preamble, share, samples, candidates, counts, ranks_for) -> list[int] | None
     plan.forget_missing(urls)   workers left the registry
+    Shares(load_bound)          the preambles' shares of one model's traffic, and its plan
 
 A preamble (a system prompt many conversations share) goes to as many workers as its
 traffic needs: `want = ceil(n x share / load_bound)` of the n workers (of weight > 0),
@@ -44,6 +45,7 @@ A planned preamble's fit is checked once per `4n` requests. Pure: no clock, no I
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from vllm_gateway.workers import Worker
@@ -225,3 +227,36 @@ class _Bins:
         for j in taken:
             used[j] += 1
         return taken
+
+
+class Shares:
+    """Each preamble's share of the model's last `SHARE_WINDOW` requests (0: those with
+    none), and the plan of where the popular ones go: cache_aware keeps one per model."""
+
+    def __init__(self, load_bound: float) -> None:
+        self._ring: deque[int] = deque()
+        self._counts: dict[int, int] = {}
+        self.plan = PreamblePlan(load_bound)
+
+    @property
+    def counts(self) -> dict[int, int]:
+        return self._counts
+
+    @property
+    def samples(self) -> int:
+        return len(self._ring)
+
+    def add(self, preamble: int) -> float:
+        """Count one more request with `preamble`; return its share now."""
+        self.plan.count()
+        ring, counts = self._ring, self._counts
+        ring.append(preamble)
+        counts[preamble] = counts.get(preamble, 0) + 1
+        if len(ring) > SHARE_WINDOW:
+            old = ring.popleft()
+            left = counts[old] - 1
+            if left:
+                counts[old] = left
+            else:
+                del counts[old]
+        return counts[preamble] / len(ring)

@@ -57,14 +57,13 @@ from __future__ import annotations
 import math
 import random
 import zlib
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.buckets import PROBE_START
 from vllm_gateway.dispatch.load import load
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
-from vllm_gateway.dispatch.preamble_plan import PreamblePlan, wanted
+from vllm_gateway.dispatch.preamble_plan import Shares, wanted
 from vllm_gateway.dispatch.prefix_hash import PrefixBlocks
 from vllm_gateway.dispatch.prefix_index import PrefixIndex
 from vllm_gateway.dispatch.request_info import RequestInfo
@@ -78,45 +77,10 @@ from vllm_gateway.workers import Worker
 # has a batch slot free (`_holder_with_room`): there the saving is the whole history.
 HISTORY_SLACK = 2.0
 _M64 = (1 << 64) - 1
-# Requests over which each preamble's share of the traffic is counted.
-SHARE_WINDOW = 1024
 # Preambles whose rendezvous ranks are kept (then the cache starts over).
 MAX_PREAMBLES = 4096
 # Models whose preamble shares are kept (then they start over).
 MAX_MODELS = 1024
-
-
-class _Shares:
-    """Each preamble's share of the last SHARE_WINDOW requests (0: those with none), and the
-    plan of where the popular ones go (preamble_plan.py): one of each per model."""
-
-    def __init__(self, load_bound: float) -> None:
-        self._ring: deque[int] = deque()
-        self._counts: dict[int, int] = {}
-        self.plan = PreamblePlan(load_bound)
-
-    @property
-    def counts(self) -> dict[int, int]:
-        return self._counts
-
-    @property
-    def samples(self) -> int:
-        return len(self._ring)
-
-    def add(self, preamble: int) -> float:
-        """Count one more request with `preamble`; return its share now."""
-        self.plan.count()
-        ring, counts = self._ring, self._counts
-        ring.append(preamble)
-        counts[preamble] = counts.get(preamble, 0) + 1
-        if len(ring) > SHARE_WINDOW:
-            old = ring.popleft()
-            left = counts[old] - 1
-            if left:
-                counts[old] = left
-            else:
-                del counts[old]
-        return counts[preamble] / len(ring)
 
 
 def rendezvous_rank(key: int, worker: Worker, seed: int) -> float:
@@ -184,7 +148,7 @@ class CacheAware:
         self._fallback = QueuePolicy(rng)
         self.index = PrefixIndex()
         self._seeds: dict[str, int] = {}  # worker URL -> its rendezvous seed
-        self._shares: dict[str, _Shares] = {}  # model -> its preambles' shares
+        self._shares: dict[str, Shares] = {}  # model -> its preambles' shares
         self._preamble_ranks: dict[int, dict[str, float]] = {}  # preamble -> URL -> rank
 
     def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
@@ -195,7 +159,7 @@ class CacheAware:
         if shares is None:
             if len(self._shares) >= MAX_MODELS:
                 self._shares.clear()
-            shares = self._shares[info.model] = _Shares(self._bound)
+            shares = self._shares[info.model] = Shares(self._bound)
         preamble = self._shared(blocks, shares.counts)
         # Every request with prompt text counts (preamble 0: none), so a preamble's share
         # is of all the model's traffic: what the workers it needs are measured against.
@@ -280,7 +244,7 @@ class CacheAware:
         blocks: PrefixBlocks,
         preamble: int,
         share: float,
-        shares: _Shares,
+        shares: Shares,
         info: RequestInfo,
     ) -> Worker | None:
         # One pass over the candidates (this runs for every request, 64 workers or more).
@@ -339,7 +303,7 @@ class CacheAware:
         key: int,
         preamble: int,
         share: float,
-        shares: _Shares,
+        shares: Shares,
         extra: tuple[float, float, int],
         sticky: bool = False,
     ) -> Worker | None:
