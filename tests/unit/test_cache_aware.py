@@ -6,6 +6,7 @@ import random
 import zlib
 from collections import Counter
 
+import orjson
 import pytest
 
 from vllm_gateway.config.gateway import DispatchConfig
@@ -96,21 +97,24 @@ def test_the_key_hash_is_the_same_in_every_process():
     named by the CRC-32 of its whole prefix, tagged with its length in blocks."""
     data = b"z" * (KEY_BYTES + 3 * BLOCK_BYTES)
     p = prefix_blocks({"prompt": data.decode()})
-    assert p is not None and p.first == KEY_BYTES // BLOCK_BYTES == 1
-    assert p.key == zlib.crc32(data[:KEY_BYTES]) and p.blocks[p.first] == p.key
-    assert p.blocks[0] == zlib.crc32(data[:BLOCK_BYTES]) | 1 << 32
-    assert len(p.blocks) == 5 and len(set(p.blocks)) == 5  # and 3 blocks after the key
+    # A completion prompt's key is its first KiB: no block ends inside it, before its end.
+    assert p is not None and p.first == 0
+    assert p.key == zlib.crc32(data[:KEY_BYTES]) and p.blocks[0] == p.key
+    assert len(p.blocks) == 4 and len(set(p.blocks)) == 4  # and 3 blocks after the key
+    long_key = {"messages": [{"role": "user", "content": "x" * 5000}]}
+    q = prefix_blocks(long_key)
+    assert q is not None and q.first == 4  # blocks of 1..4 KiB, all before the key's end
+    assert q.blocks[0] == zlib.crc32(orjson.dumps(long_key["messages"])[:BLOCK_BYTES]) | 1 << 32
 
 
+# 3043: without a system prompt, the key (the first user message) ends on a block boundary.
 @pytest.mark.parametrize("system", ["", "s" * 900, "s" * 3000, "s" * 40_000])
-@pytest.mark.parametrize("user", [10, 1500, 5000, 40_000])
+@pytest.mark.parametrize("user", [10, 1500, 3043, 5000, 40_000])
 def test_names_inside_the_key_are_crcs_of_prefixes_wherever_the_cuts_fall(system, user):
     """Preamble, blocks inside the key and key in one chained CRC pass: each as if
     computed from scratch, and the same in every process; the blocks inside the key named
     are those a block or more past the preamble (up to 32 KiB deep), and after the key one
     name per block (up to 32 more)."""
-    import orjson
-
     messages = [{"role": "system", "content": system}] if system else []
     messages += [{"role": "user", "content": "u" * user}, {"role": "assistant", "content": "a"}]
     messages += [{"role": "user", "content": "v" * 3000}]
@@ -124,8 +128,9 @@ def test_names_inside_the_key_are_crcs_of_prefixes_wherever_the_cuts_fall(system
         assert p.preamble == zlib.crc32(data[:preamble_end])
     else:
         assert p.preamble == 0
-    shared_from = -(-(preamble_end + BLOCK_BYTES) // BLOCK_BYTES)
-    depths = list(range(shared_from, min(key_end // BLOCK_BYTES, 32) + 1))
+    # Named inside the key: the blocks ending a block or more past the preamble and before
+    # the key's end (one ending at it would be the key), up to 32 KiB deep.
+    depths = [d for d in range(1, 33) if preamble_end + BLOCK_BYTES <= d * BLOCK_BYTES < key_end]
     assert p.blocks[: p.first] == [zlib.crc32(data[: d * BLOCK_BYTES]) | d << 32 for d in depths]
     after = min(len(data) // BLOCK_BYTES, key_end // BLOCK_BYTES + 32) - key_end // BLOCK_BYTES
     assert len(p.blocks) == p.first + 1 + after
@@ -298,6 +303,33 @@ def test_a_shared_document_stays_known_when_the_index_has_forgotten_it():
     names = [prefix_blocks(question(d, 0)) for d in range(4)]
     assert not any(p.index.known(h) for b in names for h in b.blocks[: b.first])  # forgotten
     assert place(400, 100) == before
+
+
+def test_a_conversations_own_first_message_is_not_a_shared_start_on_its_later_turns():
+    """A long first user message (3 KB, past a 2.7 KB system prompt) is its conversation's
+    own: its later turns find its names in the index (their first turn put them there),
+    yet still count under the system prompt, so the system prompts keep their shares and
+    their plan, and no conversation gets a plan entry of its own."""
+    ws = workers(4)
+    p = policy()
+    systems = [f"system prompt {s} " * 160 for s in range(2)]
+    rng = random.Random(3)
+    history: dict[int, list[str]] = {}
+    for i in range(1200):
+        c = rng.randrange(30)
+        turns = history.setdefault(c, [f"conversation {c} {i}: " + "q" * 3000])
+        p.select(ws, info(chat(*turns, system=systems[c % 2])))
+        turns += [long(f"a{i}", 300), f"next {i}"]
+        if len(turns) > 9:  # a new conversation in its place
+            del history[c]
+    counted = set(p._shares["m"].counts)
+    preambles = {prefix_blocks(chat("x", system=s)).preamble for s in systems}
+    assert counted == preambles, len(counted)
+    assert set(plan_of(p)) == preambles
+    c, turns = next((c, t) for c, t in history.items() if len(t) > 1)  # one in progress
+    later = prefix_blocks(chat(*turns, system=systems[c % 2]))
+    assert later.first > 0 and any(p.index.known(h) for h in later.blocks[: later.first])
+    assert p._shared(later, p._shares["m"].counts) == later.preamble
 
 
 def test_two_replicas_place_a_documents_questions_alike():

@@ -143,7 +143,8 @@ def _named(data: bytes, preamble_end: int, key_end: int, continued: bool) -> Pre
     # Inside the key, only blocks a shared match could end at are named (the preamble is
     # named as a whole, and a match inside it would be nothing more).
     shared_from = -(-(preamble_end + MIN_PREAMBLE_BYTES) // size)
-    for b in range(shared_from, min(key_end // size, MAX_BLOCKS) + 1):
+    # A block ending where the key ends would name the key again: only those before it.
+    for b in range(shared_from, min((key_end - 1) // size, MAX_BLOCKS) + 1):
         end = b * size
         crc = crc32(view[pos:end], crc)
         pos = end

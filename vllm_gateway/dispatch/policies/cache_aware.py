@@ -217,12 +217,16 @@ class CacheAware:
         sent to some worker (candidate or not, so the name does not change as workers fill
         and free) that the index still remembers. The first request with it seeds the
         index; from the second on, its share keeps it known while the index forgets it
-        under the requests' own blocks."""
+        under the requests' own blocks. But when the index knows this request's own key
+        (an earlier turn of its conversation, or a retry, was sent), what it knows inside
+        the key may be that turn's own names: only counted ones are shared then, so a
+        conversation's later turns count under what its first turn counted under."""
         hashes = blocks.blocks
         known = self.index.known
+        own = known(blocks.key)
         for i in range(blocks.first - 1, -1, -1):  # the blocks inside the key, deepest first
             h = hashes[i]
-            if h in counted or known(h):
+            if h in counted or (not own and known(h)):
                 return h
         return blocks.preamble
 
