@@ -221,6 +221,8 @@ class CacheAware:
         (an earlier turn of its conversation, or a retry, was sent), what it knows inside
         the key may be that turn's own names: only counted ones are shared then, so a
         conversation's later turns count under what its first turn counted under."""
+        if not blocks.first:  # nothing named inside the key (most requests)
+            return blocks.preamble
         hashes = blocks.blocks
         known = self.index.known
         own = known(blocks.key)
