@@ -31,9 +31,19 @@ also before anything was learned. The capacity is, first found first:
    out. Overshooting puts a request or two in the worker's own queue; when that confirms
    the same capacity again, the holdoff doubles (up to `PROBE_HOLDOFF_MAX`), so a worker
    at its true capacity is probed ever more rarely;
-3. before that, a probing limit: `PROBE_START` at first, doubled by each scrape that
-   shows the worker running all it was given with no queue (slow start), until a queue
-   teaches the capacity.
+3. before that, a probing limit: `PROBE_START` at first. When the worker runs all of it
+   with no queue and more is wanted, the limit first admits one request more (a probe);
+   a scrape that shows the worker running more than the level doubles the level (slow
+   start), one that shows a queue teaches the capacity.
+
+A probe is judged by what the worker runs, not only by its queue: a queue that came and
+went between two scrapes is never seen (a request waits a moment for a slot, then runs).
+So when this process sent past the level a probe started from (`past_at`) and the next
+scrape shows the worker running exactly that level, no more and no queue, the probe
+found no room: the level is its capacity, as if a queue had been seen. One request past
+the level, not a doubling, so a worker whose capacity is the level itself (batch sizes
+are usually powers of two, as the levels are) queues one request, not a level's worth,
+and every worker at once in a burst does not dump the admission queue into its queue.
 
 Probing (2 and 3) happens only while it is needed: when a request found no room on the
 worker since the last scrape (`note_demand`) and waited; for the probing limit (3), also
@@ -81,6 +91,7 @@ class TokenBucket:
 
     __slots__ = (
         "capacity",
+        "base",
         "completion_rate",
         "demand",
         "gain",
@@ -88,6 +99,8 @@ class TokenBucket:
         "limit",
         "log_duration",
         "open",
+        "past",
+        "past_at",
         "peak",
         "probe_limit",
         "probed_from",
@@ -109,6 +122,11 @@ class TokenBucket:
         self.holdoff = PROBE_HOLDOFF  # seconds without a queue before probing upward
         self.probed_from: float | None = None  # capacity a running probe started from
         self.probe_limit = PROBE_START  # the capacity gate while `capacity` is unknown
+        # An open probe: the running level it started from (None: none open), the in-flight
+        # count from which a send goes past that level, and whether one did since the scrape.
+        self.base: float | None = None
+        self.past_at = math.inf
+        self.past = False
         # A request found no room on it (and waited, or went to another worker) since the
         # last scrape: only then is a larger capacity worth probing for (an overshoot
         # queues a request in the worker).
@@ -181,6 +199,8 @@ class Buckets:
         b = self.by_worker.get(worker)
         if b is not None:
             b.tokens -= 1.0
+            if worker.inflight >= b.past_at:
+                b.past = True
         return full
 
     def refund(self, worker: Worker) -> None:
@@ -197,7 +217,7 @@ class Buckets:
             return
         b = self.bucket(worker)
         self._on_stats(worker, b, stats.running, stats.waiting, stats.at)
-        b.demand, b.peak = False, 0.0
+        b.demand, b.peak, b.past = False, 0.0, False
         worker.capacity = self.capacity_of(worker) or 0.0  # what policies read
 
     def note_demand(self, workers: Iterable[Worker], waits: bool = True) -> None:
@@ -220,12 +240,12 @@ class Buckets:
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
         if waiting > 0:
             self._queued(b, running, at)
+        elif b.base is not None and b.past and running == b.base:
+            # Sent past the level the probe started from, yet it runs that level, no more:
+            # the probe found no room (its queue came and went between two scrapes).
+            self._queued(b, running, at)
         elif b.capacity is None:
-            # Slow start: it ran all the gate let through (now, or when a request found it
-            # full), with no queue, and requests waited or went elsewhere: double the gate.
-            given = max(running, worker.inflight / self.share, b.peak)
-            if b.demand and given >= b.probe_limit:
-                b.probe_limit = min(PROBE_MAX, b.probe_limit * 2.0)
+            self._slow_start(worker, b, running)
         elif b.demand and running >= b.capacity and at - b.queued_at >= b.holdoff:
             if b.probes == 0:
                 b.probed_from = b.capacity
@@ -233,8 +253,11 @@ class Buckets:
                 b.holdoff = PROBE_HOLDOFF  # it runs more than it did, no queue: room found
             b.probes += 1  # full, yet no queue for a while: probe 1, 2, 3, ... more
             b.capacity = running + b.probes
+            self._open_probe(b, running)
         else:
             b.probes, b.probed_from = 0, None
+            if b.base is not None and running > b.base:
+                self._open_probe(b, None)  # it runs more than the level: room confirmed
         if b.capacity is None and waiting == 0:
             b.open = True
             return
@@ -253,12 +276,38 @@ class Buckets:
             b.tokens = min(b.tokens, 0.0)
             b.limit = max(1.0, running)
 
-    @staticmethod
-    def _queued(b: TokenBucket, running: float, at: float) -> None:
+    def _slow_start(self, worker: Worker, b: TokenBucket, running: float) -> None:
+        """No queue, capacity unknown: grow the probing limit while more is wanted."""
+        if b.base is not None and running > b.base:
+            # It runs more than the level probed from: room, double the level.
+            b.probe_limit = min(PROBE_MAX, 2.0 * b.base)
+            self._open_probe(b, None)
+            return
+        # It ran all the gate let through (now, or when a request found it full), with no
+        # queue, and requests waited or went elsewhere.
+        given = max(running, worker.inflight / self.share, b.peak)
+        if not b.demand or given < b.probe_limit:
+            return
+        if b.base is None:  # probe one request past the level
+            self._open_probe(b, b.probe_limit)
+            b.probe_limit += 1.0
+        else:
+            # Its requests end between scrapes (fewer run than the level at each): such a
+            # queue drains fast, so a scrape need not show the probe running to double.
+            b.probe_limit = min(PROBE_MAX, 2.0 * b.base)
+            self._open_probe(b, None)
+
+    def _open_probe(self, b: TokenBucket, base: float | None) -> None:
+        """Judge the next scrape against running level `base` (None: no probe open)."""
+        b.base = base
+        b.past_at = math.inf if base is None else base * self.share
+
+    def _queued(self, b: TokenBucket, running: float, at: float) -> None:
         """The worker reports a queue while running `running`: that is its capacity."""
         if b.probed_from is not None and running <= b.probed_from:
             b.holdoff = min(PROBE_HOLDOFF_MAX, b.holdoff * 2.0)  # the probe found no room
         b.probes, b.probed_from = 0, None
+        self._open_probe(b, None)
         b.queued_at = at
         if running > 0:
             b.capacity = running
