@@ -36,14 +36,13 @@ also before anything was learned. The capacity is, first found first:
    a scrape that shows the worker running more than the level doubles the level (slow
    start), one that shows a queue teaches the capacity.
 
-A probe is judged by what the worker runs, not only by its queue: a queue that came and
-went between two scrapes is never seen (a request waits a moment for a slot, then runs).
-So when this process sent past the level a probe started from (`past_at`) and the next
-scrape shows the worker running exactly that level, no more and no queue, the probe
-found no room: the level is its capacity, as if a queue had been seen. One request past
-the level, not a doubling, so a worker whose capacity is the level itself (batch sizes
-are usually powers of two, as the levels are) queues one request, not a level's worth,
-and every worker at once in a burst does not dump the admission queue into its queue.
+The level doubles only on evidence of room, a scrape that shows the worker running more
+than the level, never on the absence of a queue alone: a queue that came and went
+between two scrapes (a request waited a moment for a slot, then ran) is never seen. And
+a probe is one request, not a doubling: a worker whose capacity is the level itself
+(batch sizes are usually powers of two, as the levels are) holds at most one request in
+its queue, not a level's worth, and a burst that finds every worker full does not pour
+the admission queue into the workers' queues.
 
 Probing (2 and 3) happens only while it is needed: when a request found no room on the
 worker since the last scrape (`note_demand`) and waited; for the probing limit (3), also
@@ -90,8 +89,8 @@ class TokenBucket:
     """One worker's tokens and what the gateway learned about the worker's capacity."""
 
     __slots__ = (
-        "capacity",
         "base",
+        "capacity",
         "completion_rate",
         "demand",
         "gain",
@@ -99,8 +98,6 @@ class TokenBucket:
         "limit",
         "log_duration",
         "open",
-        "past",
-        "past_at",
         "peak",
         "probe_limit",
         "probed_from",
@@ -122,11 +119,9 @@ class TokenBucket:
         self.holdoff = PROBE_HOLDOFF  # seconds without a queue before probing upward
         self.probed_from: float | None = None  # capacity a running probe started from
         self.probe_limit = PROBE_START  # the capacity gate while `capacity` is unknown
-        # An open probe: the running level it started from (None: none open), the in-flight
-        # count from which a send goes past that level, and whether one did since the scrape.
+        # The level an open slow-start probe started from (None: none open): the probing
+        # limit is one more, until a scrape shows the worker running more than it.
         self.base: float | None = None
-        self.past_at = math.inf
-        self.past = False
         # A request found no room on it (and waited, or went to another worker) since the
         # last scrape: only then is a larger capacity worth probing for (an overshoot
         # queues a request in the worker).
@@ -199,8 +194,6 @@ class Buckets:
         b = self.by_worker.get(worker)
         if b is not None:
             b.tokens -= 1.0
-            if worker.inflight >= b.past_at:
-                b.past = True
         return full
 
     def refund(self, worker: Worker) -> None:
@@ -217,7 +210,7 @@ class Buckets:
             return
         b = self.bucket(worker)
         self._on_stats(worker, b, stats.running, stats.waiting, stats.at)
-        b.demand, b.peak, b.past = False, 0.0, False
+        b.demand, b.peak = False, 0.0
         worker.capacity = self.capacity_of(worker) or 0.0  # what policies read
 
     def note_demand(self, workers: Iterable[Worker], waits: bool = True) -> None:
@@ -240,10 +233,6 @@ class Buckets:
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
         if waiting > 0:
             self._queued(b, running, at)
-        elif b.base is not None and b.past and running == b.base:
-            # Sent past the level the probe started from, yet it runs that level, no more:
-            # the probe found no room (its queue came and went between two scrapes).
-            self._queued(b, running, at)
         elif b.capacity is None:
             self._slow_start(worker, b, running)
         elif b.demand and running >= b.capacity and at - b.queued_at >= b.holdoff:
@@ -253,11 +242,8 @@ class Buckets:
                 b.holdoff = PROBE_HOLDOFF  # it runs more than it did, no queue: room found
             b.probes += 1  # full, yet no queue for a while: probe 1, 2, 3, ... more
             b.capacity = running + b.probes
-            self._open_probe(b, running)
         else:
             b.probes, b.probed_from = 0, None
-            if b.base is not None and running > b.base:
-                self._open_probe(b, None)  # it runs more than the level: room confirmed
         if b.capacity is None and waiting == 0:
             b.open = True
             return
@@ -278,36 +264,25 @@ class Buckets:
 
     def _slow_start(self, worker: Worker, b: TokenBucket, running: float) -> None:
         """No queue, capacity unknown: grow the probing limit while more is wanted."""
-        if b.base is not None and running > b.base:
-            # It runs more than the level probed from: room, double the level.
-            b.probe_limit = min(PROBE_MAX, 2.0 * b.base)
-            self._open_probe(b, None)
+        if b.base is not None:
+            if running > b.base:  # it runs more than the level probed from: double it
+                b.probe_limit = min(PROBE_MAX, 2.0 * b.base)
+                b.base = None
             return
         # It ran all the gate let through (now, or when a request found it full), with no
-        # queue, and requests waited or went elsewhere.
+        # queue, and requests waited or went elsewhere: probe one request past the level.
         given = max(running, worker.inflight / self.share, b.peak)
-        if not b.demand or given < b.probe_limit:
-            return
-        if b.base is None:  # probe one request past the level
-            self._open_probe(b, b.probe_limit)
+        if b.demand and given >= b.probe_limit:
+            b.base = b.probe_limit
             b.probe_limit += 1.0
-        else:
-            # Its requests end between scrapes (fewer run than the level at each): such a
-            # queue drains fast, so a scrape need not show the probe running to double.
-            b.probe_limit = min(PROBE_MAX, 2.0 * b.base)
-            self._open_probe(b, None)
 
-    def _open_probe(self, b: TokenBucket, base: float | None) -> None:
-        """Judge the next scrape against running level `base` (None: no probe open)."""
-        b.base = base
-        b.past_at = math.inf if base is None else base * self.share
-
-    def _queued(self, b: TokenBucket, running: float, at: float) -> None:
+    @staticmethod
+    def _queued(b: TokenBucket, running: float, at: float) -> None:
         """The worker reports a queue while running `running`: that is its capacity."""
         if b.probed_from is not None and running <= b.probed_from:
             b.holdoff = min(PROBE_HOLDOFF_MAX, b.holdoff * 2.0)  # the probe found no room
         b.probes, b.probed_from = 0, None
-        self._open_probe(b, None)
+        b.base = None
         b.queued_at = at
         if running > 0:
             b.capacity = running
