@@ -54,8 +54,9 @@ def test_tokens_follow_a_scripted_queue():
     send(w, b, int(PROBE_START))
     assert not b.has_token(w) and b.describe(w)["capacity"] == PROBE_START
     # ...admits one more when a scrape shows the worker running it all with no queue while
-    # requests wait for it (without demand, more capacity is not worth a probe), and
-    # doubles when a scrape shows the worker running that one too (slow start).
+    # requests wait for it (without demand, more capacity is not worth a probe); a scrape
+    # that shows the worker running that one too doubles the level and probes past the
+    # new one by an eighth of it (slow start).
     report(registry, w, running=PROBE_START, waiting=0)
     assert b.describe(w)["capacity"] == PROBE_START
     b.note_demand([w])
@@ -64,14 +65,13 @@ def test_tokens_follow_a_scripted_queue():
     send(w, b, 1)
     assert not b.has_token(w) and b.describe(w)["tokens"] is None  # gated, bucket open
     report(registry, w, running=PROBE_START + 1, waiting=0)
-    assert b.describe(w)["capacity"] == 2 * PROBE_START
-    send(w, b, int(PROBE_START) - 1)
+    assert b.describe(w)["capacity"] == 2 * PROBE_START + 2
+    send(w, b, int(PROBE_START) + 1)
     assert not b.has_token(w)
-    b.note_demand([w])
-    report(registry, w, running=2 * PROBE_START, waiting=0)
-    send(w, b, 1)
+    report(registry, w, running=2 * PROBE_START, waiting=0)  # not past the level yet
+    assert b.describe(w)["capacity"] == 2 * PROBE_START + 2
     report(registry, w, running=2 * PROBE_START + 1, waiting=0)
-    assert b.has_token(w) and b.describe(w)["capacity"] == 4 * PROBE_START
+    assert b.has_token(w) and b.describe(w)["capacity"] == 4 * PROBE_START + 4
     # A queue: it runs all it can (its capacity is learned) and gets nothing more.
     report(registry, w, running=60, waiting=2)
     assert b.by_worker[w].capacity == 60 and not b.has_token(w)
@@ -250,7 +250,7 @@ def test_the_level_doubles_only_when_a_scrape_shows_the_worker_running_past_it()
     report(registry2, w2, running=PROBE_START, waiting=0)
     send(w2, b2, 1)
     report(registry2, w2, running=PROBE_START + 1, waiting=0)
-    assert b2.describe(w2)["capacity"] == 2 * PROBE_START
+    assert b2.describe(w2)["capacity"] == 2 * PROBE_START + 2
 
 
 def test_a_learned_capacity_is_not_probed_when_the_request_found_room_elsewhere():
@@ -267,3 +267,30 @@ def test_a_learned_capacity_is_not_probed_when_the_request_found_room_elsewhere(
     b.note_demand([w])  # one waited for it
     report(registry, w, running=4, waiting=0, at=PROBE_HOLDOFF + 0.5)
     assert b.by_worker[w].capacity == 5
+
+
+def test_a_large_level_is_probed_by_an_eighth_and_confirmed_by_any_of_it_running():
+    """At level 64 a probe admits 8 more; a scrape that catches any of them running (65
+    or more) doubles the level and probes past it by 16, and one that shows still more
+    running jumps to that. A queue at 0 running teaches nothing: back to the level."""
+    registry, w, b = setup()
+    bucket = b.bucket(w)
+    bucket.probe_limit = 64.0
+    report(registry, w, running=0, waiting=0)
+    send(w, b, 64)
+    b.note_demand([w])
+    report(registry, w, running=64, waiting=0)
+    assert b.describe(w)["capacity"] == 72
+    send(w, b, 8)
+    report(registry, w, running=65, waiting=0)
+    assert b.describe(w)["capacity"] == 144
+    b.note_demand([w])
+    report(registry, w, running=128, waiting=0)  # the level itself: no evidence of room
+    assert b.describe(w)["capacity"] == 144
+    report(registry, w, running=300, waiting=0)  # e.g. other clients' requests
+    assert b.describe(w)["capacity"] == 337
+    b.note_demand([w])
+    report(registry, w, running=300, waiting=0)
+    assert b.describe(w)["capacity"] == 337
+    report(registry, w, running=0, waiting=3)
+    assert bucket.capacity is None and b.describe(w)["capacity"] == 300

@@ -32,17 +32,18 @@ also before anything was learned. The capacity is, first found first:
    the same capacity again, the holdoff doubles (up to `PROBE_HOLDOFF_MAX`), so a worker
    at its true capacity is probed ever more rarely;
 3. before that, a probing limit: `PROBE_START` at first. When the worker runs all of it
-   with no queue and more is wanted, the limit first admits one request more (a probe);
-   a scrape that shows the worker running more than the level doubles the level (slow
-   start), one that shows a queue teaches the capacity.
+   with no queue and more is wanted, the limit admits a few requests past the level (a
+   probe: `PROBE_STEP` of the level, at least one). A scrape that shows the worker running
+   more than the level doubles the level and probes past the new one at once (slow
+   start: 8, 9, 18, 36, 72, ...); one that shows a queue teaches the capacity.
 
 The level doubles only on evidence of room, a scrape that shows the worker running more
 than the level, never on the absence of a queue alone: a queue that came and went
 between two scrapes (a request waited a moment for a slot, then ran) is never seen. And
-a probe is one request, not a doubling: a worker whose capacity is the level itself
-(batch sizes are usually powers of two, as the levels are) holds at most one request in
-its queue, not a level's worth, and a burst that finds every worker full does not pour
-the admission queue into the workers' queues.
+a probe is an eighth of the level (one request up to 15), not a doubling: a worker whose
+capacity is the level itself (batch sizes are usually powers of two, as the levels are)
+holds that much in its queue (per gateway process), not a level's worth, and a burst that
+finds every worker full does not pour the admission queue into the workers' queues.
 
 Probing (2 and 3) happens only while it is needed: when a request found no room on the
 worker since the last scrape (`note_demand`) and waited; for the probing limit (3), also
@@ -76,10 +77,16 @@ PROBE_HOLDOFF = 5.0
 # this many seconds: a worker at its true capacity is overshot once per ~5 minutes at most.
 PROBE_HOLDOFF_MAX = 320.0
 # Capacity gate before anything is learned: requests in flight to a worker that reported
-# no queue yet, doubled per scrape that shows it running them all without a queue (1, 2,
-# 4 scrapes of 0.25 s take it to 16, 32, 64). Modest: vLLM's smallest usual batch is 8-16
-# sequences on small GPUs; its default max_num_seqs (256) is 5 doublings away.
+# no queue yet; a scrape showing it run past the level doubles the level (9, 18, 36, 72
+# within 1 s of steady demand). Modest: vLLM's smallest usual batch
+# is 8-16 sequences on small GPUs; its default max_num_seqs (256) is 5 doublings away.
 PROBE_START = 8.0
+# A probe admits this share of the level past it (at least one request): what a worker
+# whose capacity is the level holds in its queue. Above one request, so that a scrape can
+# confirm a large level: it must catch more than the level running at once, and each of
+# a worker's requests spends part of its life outside the running set (in transit,
+# between engine steps, sending its last bytes).
+PROBE_STEP = 1 / 8
 PROBE_MAX = 4096.0
 # Time constant of `TokenBucket.completion_rate`, in seconds.
 RATE_WINDOW = 10.0
@@ -265,16 +272,22 @@ class Buckets:
     def _slow_start(self, worker: Worker, b: TokenBucket, running: float) -> None:
         """No queue, capacity unknown: grow the probing limit while more is wanted."""
         if b.base is not None:
-            if running > b.base:  # it runs more than the level probed from: double it
-                b.probe_limit = min(PROBE_MAX, 2.0 * b.base)
-                b.base = None
+            if running > b.base:
+                # It runs more than the level probed: double the level (or more, when it
+                # runs more still) and probe past the new one at once.
+                self._probe(b, min(PROBE_MAX, max(2.0 * b.base, running)))
             return
         # It ran all the gate let through (now, or when a request found it full), with no
-        # queue, and requests waited or went elsewhere: probe one request past the level.
+        # queue, and requests waited or went elsewhere: probe past the level.
         given = max(running, worker.inflight / self.share, b.peak)
         if b.demand and given >= b.probe_limit:
-            b.base = b.probe_limit
-            b.probe_limit += 1.0
+            self._probe(b, b.probe_limit)
+
+    @staticmethod
+    def _probe(b: TokenBucket, level: float) -> None:
+        """Let `PROBE_STEP` of `level` (at least one request) through past it."""
+        b.base = level
+        b.probe_limit = min(PROBE_MAX, level + max(1.0, math.floor(level * PROBE_STEP)))
 
     @staticmethod
     def _queued(b: TokenBucket, running: float, at: float) -> None:
@@ -282,7 +295,8 @@ class Buckets:
         if b.probed_from is not None and running <= b.probed_from:
             b.holdoff = min(PROBE_HOLDOFF_MAX, b.holdoff * 2.0)  # the probe found no room
         b.probes, b.probed_from = 0, None
-        b.base = None
+        if b.base is not None:  # back to the level (a queue at 0 running teaches nothing)
+            b.probe_limit, b.base = b.base, None
         b.queued_at = at
         if running > 0:
             b.capacity = running
