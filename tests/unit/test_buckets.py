@@ -64,14 +64,15 @@ def test_tokens_follow_a_scripted_queue():
     assert b.describe(w)["capacity"] == PROBE_START + 1
     send(w, b, 1)
     assert not b.has_token(w) and b.describe(w)["tokens"] is None  # gated, bucket open
+    b.note_demand([w])  # requests wait in the gateway: the next level is probed at once
     report(registry, w, running=PROBE_START + 1, waiting=0)
     assert b.describe(w)["capacity"] == 2 * PROBE_START + 2
     send(w, b, int(PROBE_START) + 1)
     assert not b.has_token(w)
     report(registry, w, running=2 * PROBE_START, waiting=0)  # not past the level yet
     assert b.describe(w)["capacity"] == 2 * PROBE_START + 2
-    report(registry, w, running=2 * PROBE_START + 1, waiting=0)
-    assert b.has_token(w) and b.describe(w)["capacity"] == 4 * PROBE_START + 4
+    report(registry, w, running=2 * PROBE_START + 1, waiting=0)  # nothing waited since
+    assert b.has_token(w) and b.describe(w)["capacity"] == 4 * PROBE_START
     # A queue: it runs all it can (its capacity is learned) and gets nothing more.
     report(registry, w, running=60, waiting=2)
     assert b.by_worker[w].capacity == 60 and not b.has_token(w)
@@ -249,8 +250,8 @@ def test_the_level_doubles_only_when_a_scrape_shows_the_worker_running_past_it()
     b2.note_demand([w2])
     report(registry2, w2, running=PROBE_START, waiting=0)
     send(w2, b2, 1)
-    report(registry2, w2, running=PROBE_START + 1, waiting=0)
-    assert b2.describe(w2)["capacity"] == 2 * PROBE_START + 2
+    report(registry2, w2, running=PROBE_START + 1, waiting=0)  # nothing waited since
+    assert b2.describe(w2)["capacity"] == 2 * PROBE_START
 
 
 def test_a_learned_capacity_is_not_probed_when_the_request_found_room_elsewhere():
@@ -282,13 +283,14 @@ def test_a_large_level_is_probed_by_an_eighth_and_confirmed_by_any_of_it_running
     report(registry, w, running=64, waiting=0)
     assert b.describe(w)["capacity"] == 72
     send(w, b, 8)
+    b.note_demand([w])
     report(registry, w, running=65, waiting=0)
     assert b.describe(w)["capacity"] == 144
     b.note_demand([w])
     report(registry, w, running=128, waiting=0)  # the level itself: no evidence of room
     assert b.describe(w)["capacity"] == 144
     report(registry, w, running=300, waiting=0)  # e.g. other clients' requests
-    assert b.describe(w)["capacity"] == 337
+    assert b.describe(w)["capacity"] == 300  # nothing waited: no probe past it yet
     b.note_demand([w])
     report(registry, w, running=300, waiting=0)
     assert b.describe(w)["capacity"] == 337

@@ -34,8 +34,9 @@ also before anything was learned. The capacity is, first found first:
 3. before that, a probing limit: `PROBE_START` at first. When the worker runs all of it
    with no queue and more is wanted, the limit admits a few requests past the level (a
    probe: `PROBE_STEP` of the level, at least one). A scrape that shows the worker running
-   more than the level doubles the level and probes past the new one at once (slow
-   start: 8, 9, 18, 36, 72, ...); one that shows a queue teaches the capacity.
+   more than the level doubles the level (slow start), and while requests wait in the
+   gateway for it, probes past the new one at once (limits 8, 9, 18, 36, 72, ...: one
+   scrape each); one that shows a queue teaches the capacity.
 
 The level doubles only on evidence of room, a scrape that shows the worker running more
 than the level, never on the absence of a queue alone: a queue that came and went
@@ -112,6 +113,7 @@ class TokenBucket:
         "queued_at",
         "rate_at",
         "tokens",
+        "waited",
         "waiting",
     )
 
@@ -133,6 +135,7 @@ class TokenBucket:
         # last scrape: only then is a larger capacity worth probing for (an overshoot
         # queues a request in the worker).
         self.demand = False
+        self.waited = False  # ... and a request waited in the gateway for it
         self.peak = 0.0  # most in flight when it was found full since the last scrape
         self.queued_at = -math.inf  # EngineStats.at of the last scrape showing a queue
         self.log_duration: float | None = None  # running mean of log(request seconds)
@@ -217,7 +220,7 @@ class Buckets:
             return
         b = self.bucket(worker)
         self._on_stats(worker, b, stats.running, stats.waiting, stats.at)
-        b.demand, b.peak = False, 0.0
+        b.demand, b.peak, b.waited = False, 0.0, False
         worker.capacity = self.capacity_of(worker) or 0.0  # what policies read
 
     def note_demand(self, workers: Iterable[Worker], waits: bool = True) -> None:
@@ -230,6 +233,7 @@ class Buckets:
             if not waits and b.capacity is not None:
                 continue
             b.demand = True
+            b.waited = b.waited or waits
             # What it was given then (in flight now may be less by the next scrape).
             b.peak = max(b.peak, worker.inflight / self.share)
 
@@ -274,8 +278,14 @@ class Buckets:
         if b.base is not None:
             if running > b.base:
                 # It runs more than the level probed: double the level (or more, when it
-                # runs more still) and probe past the new one at once.
-                self._probe(b, min(PROBE_MAX, max(2.0 * b.base, running)))
+                # runs more still). While requests wait in the gateway for it, probe past
+                # the new level at once (one scrape per doubling); when it was only the
+                # policy's preference, only once it is found full at the new level.
+                level = min(PROBE_MAX, max(2.0 * b.base, running))
+                if b.waited:
+                    self._probe(b, level)
+                else:
+                    b.probe_limit, b.base = level, None
             return
         # It ran all the gate let through (now, or when a request found it full), with no
         # queue, and requests waited or went elsewhere: probe past the level.
