@@ -296,3 +296,19 @@ def test_a_large_level_is_probed_by_an_eighth_and_confirmed_by_any_of_it_running
     assert b.describe(w)["capacity"] == 337
     report(registry, w, running=0, waiting=3)
     assert bucket.capacity is None and b.describe(w)["capacity"] == 300
+
+
+def test_a_worker_whose_gauge_does_not_count_the_requests_is_ramped_by_what_it_was_given():
+    """A server that always reports 0 running (not vLLM, a proxy, a broken page) gives no
+    evidence of room by what it runs: the level doubles by what the gateway gave it, as
+    when nothing better is known, instead of waiting forever for `running` to pass it."""
+    registry, w, b = setup()
+    report(registry, w, running=0, waiting=0)
+    limits = []
+    for _ in range(4):
+        while b.has_token(w):
+            send(w, b)
+        b.note_demand([w])
+        report(registry, w, running=0, waiting=0)
+        limits.append(b.describe(w)["capacity"])
+    assert limits == [16, 32, 64, 128]
