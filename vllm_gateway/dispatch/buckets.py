@@ -275,14 +275,14 @@ class Buckets:
 
     def _slow_start(self, worker: Worker, b: TokenBucket, running: float) -> None:
         """No queue, capacity unknown: grow the probing limit while more is wanted."""
-        own = worker.inflight - (worker.sent_since_scrape - worker.finished_since_scrape)
-        if running < own / 2.0:
-            # It reports running fewer than half of what this process had sent it when the
-            # scrape was taken: its gauge does not count these requests (not vLLM, or a
-            # proxy), so what it runs is no evidence. Go by what it was given, as a
-            # doubling: a probe that waits for `running` to pass the level would never end.
-            given = max(running, worker.inflight / self.share, b.peak)
-            if b.demand and given >= b.probe_limit:
+        given = max(running, worker.inflight / self.share, b.peak)
+        wanted = b.demand and given >= b.probe_limit
+        if running < worker.inflight / self.share / 2.0:
+            # It reports running fewer than half of what this process has in flight to it:
+            # its gauge does not count these requests (not vLLM, or a proxy), so what it
+            # runs is no evidence. Go by what it was given, as a doubling: a probe that
+            # waits for `running` to pass the level would never end.
+            if wanted:
                 b.probe_limit, b.base = min(PROBE_MAX, 2.0 * (b.base or b.probe_limit)), None
             return
         if b.base is not None:
@@ -299,8 +299,7 @@ class Buckets:
             return
         # It ran all the gate let through (now, or when a request found it full), with no
         # queue, and requests waited or went elsewhere: probe past the level.
-        given = max(running, worker.inflight / self.share, b.peak)
-        if b.demand and given >= b.probe_limit:
+        if wanted:
             self._probe(b, b.probe_limit)
 
     @staticmethod
