@@ -17,6 +17,12 @@
                one of 24 long documents quoted in the user message (no system prompt
                worth caching), documents chosen by Zipf popularity: the shared prefix is
                in the first user message, not in a system prompt.
+    agent      6 workers of mixed speed (4 fast with 16 slots, 2 at half speed with 8),
+               each with a prefix cache and a prefill cost; 90 tool-using sessions of
+               2-16 turns, 70% of them under one long tool-definition system prompt
+               (20% and 10% under two others), each turn a tool output of heavy-tailed
+               length (log-normal, up to 600 tokens) after a short think time: prefill
+               load that varies by worker, on a fleet that is not uniform.
 
 Every family's rates come from the capacity its workers compute to (workload.py), so a
 change of worker speed or batch size changes the load with it. Conversations that start
@@ -204,10 +210,58 @@ def docqa(sizes: Sizes) -> Family:
     return Family("docqa", workers, setup, build)
 
 
+# agent's shape: tool-using sessions. Most sessions share one long system prompt (the tool
+# definitions), sessions run many short turns whose user messages are tool outputs of
+# heavy-tailed length, on a fleet of mixed speed where every worker caches.
+AGENT_SESSIONS, AGENT_TOOL_WORDS, AGENT_THINK = 90, 1024, 0.2
+AGENT_PREFILL_MS_PER_TOKEN = 0.3
+
+
+def agent(sizes: Sizes) -> Family:
+    systems = system_prompts(3, AGENT_TOOL_WORDS)
+    popularity = [0.7, 0.2, 0.1]  # one agent's tool set dominates
+    turns = lambda rng: min(16, 2 + int(rng.expovariate(1 / 5)))  # noqa: E731
+    tool = lognormal(median=40, sigma=1.0, low=4, high=600)
+    answer = lognormal(median=24, sigma=0.7, low=4, high=200)
+    mean_turns = mean_of(turns)
+    history = mean_turns * (mean_of(tool) + mean_of(answer))
+    every = AGENT_SESSIONS * math.ceil(history / BLOCK_SIZE)
+    every += len(systems) * math.ceil(AGENT_TOOL_WORDS / BLOCK_SIZE)
+    fast, slow = 4, 2
+    blocks = math.ceil(sizes.cache_share * every / (fast + slow))
+    workers = (WorkerSpec(20, 20, 16, blocks, AGENT_PREFILL_MS_PER_TOKEN),) * fast + (
+        WorkerSpec(40, 40, 8, blocks, 2 * AGENT_PREFILL_MS_PER_TOKEN),
+    ) * slow
+    end = sizes.warmup + sizes.duration
+
+    def build(rng: random.Random) -> list[Conversation]:
+        starts = sorted(rng.uniform(0.0, end) for _ in range(AGENT_SESSIONS))
+        out = []
+        for i, start in enumerate(starts):
+            system = rng.choices(systems, popularity)[0]
+            steps = tuple(
+                Turn(text(rng, tool(rng), f"a{i}t{t}-"), answer(rng),
+                     rng.expovariate(1 / AGENT_THINK) if t else 0.0)
+                for t in range(turns(rng))
+            )  # fmt: skip
+            out.append(Conversation(start, system, f"agent{i}", steps))
+        return out
+
+    setup = (
+        f"{AGENT_SESSIONS} sessions of 2-16 turns (mean {mean_turns:.1f}) starting over "
+        f"{end:g} s; 3 tool-definition system prompts of {AGENT_TOOL_WORDS} tokens used "
+        f"70/20/10%; tool outputs log-normal (median 40 tokens, 4..600), answers log-normal "
+        f"(median 24, 4..200), think time exp. mean {AGENT_THINK:g} s; KV cache {blocks} "
+        f"blocks per worker = {sizes.cache_share:g} of all sessions' {every} / {fast + slow}"
+    )
+    return Family("agent", workers, setup, build)
+
+
 FAMILIES: dict[str, Callable[[Sizes], Family]] = {
     "hetero": hetero,
     "multiturn": multiturn,
     "burst": burst,
     "longtail": longtail,
     "docqa": docqa,
+    "agent": agent,
 }

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.cache_stats import _SAMPLE, hit_rate
 from benchmarks.dispatch_report import doc_key
-from benchmarks.families import DOCS, FAMILIES, Sizes, docqa, multiturn
+from benchmarks.families import AGENT_SESSIONS, DOCS, FAMILIES, Sizes, agent, docqa, multiturn
 from benchmarks.workload import WorkerSpec, bursts, poisson
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
 
@@ -63,6 +63,22 @@ def test_docqa_quotes_popular_documents_first_in_the_user_message() -> None:
     assert docs.most_common(1)[0][0] == "Document 0"  # Zipf: the first is the most popular
     assert len({c.turns[0].user for c in requests}) == len(requests)  # each its question
     assert {len(c.system) for c in requests} == {len("You are a helpful assistant.")}
+
+
+def test_agent_runs_long_sessions_mostly_under_one_system_prompt_on_a_mixed_fleet() -> None:
+    from collections import Counter
+
+    family = agent(SIZES)
+    sessions = family.build(random.Random(0))
+    assert len(sessions) == AGENT_SESSIONS
+    assert {len(c.turns) for c in sessions} <= set(range(2, 17))
+    assert max(len(c.turns) for c in sessions) >= 10
+    systems = Counter(c.system for c in sessions).most_common()
+    assert len(systems) == 3 and systems[0][1] > len(sessions) / 2
+    speeds = Counter((w.tpot_ms, w.max_num_seqs) for w in family.workers)
+    assert speeds == {(20, 16): 4, (40, 8): 2}
+    lengths = [len(t.user.split()) for c in sessions for t in c.turns]
+    assert min(lengths) >= 4 and max(lengths) > 5 * sorted(lengths)[len(lengths) // 2]
 
 
 def test_the_doc_block_of_a_run_names_its_replicas_and_gateway_processes() -> None:
