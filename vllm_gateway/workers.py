@@ -69,6 +69,7 @@ class Worker:
     """One vLLM server behind the gateway, and what the gateway knows of it right now."""
 
     __slots__ = (
+        "backlog",
         "breaker_openings",
         "capacity",
         "circuit",
@@ -109,6 +110,10 @@ class Worker:
         self.state = WorkerState.JOINING
         self.state_reason = "added"
         self.inflight = 0  # requests the gateway has sent and not yet seen finish
+        # Prefill it owes this process's requests: the prompt bytes it probably does not
+        # cache (the policy's guess), of streamed requests sent and not yet answered with a
+        # first byte (dispatch/dispatcher.py Lease.prefilled).
+        self.backlog = 0
         # The same, by the model each lease asked for (a worker may serve several, and a
         # request for one is not demand for the others); no zero entries.
         self.inflight_by_model: dict[str, int] = {}

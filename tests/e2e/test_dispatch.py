@@ -228,3 +228,30 @@ def _workers(gw):
 def w_of(gw):
     (worker,) = _workers(gw)
     return worker
+
+
+async def test_a_streamed_request_owes_its_worker_prefill_until_its_first_byte(
+    fake_worker, gateway
+):
+    """cache_aware counts the prompt bytes a worker probably lacks in its prefill backlog
+    (Worker.backlog) from dispatch to the first byte of the answer; a whole (non-streamed)
+    answer's first byte says nothing of its prefill, so it is not counted."""
+    worker = await fake_worker(models="m", prefill_ms_per_token=2.0, ttft_ms=5, tpot_ms=5)
+    gw = await gateway([worker], policy="cache_aware")
+    dispatcher = gw.app[DISPATCHER]
+    (w,) = list(dispatcher.registry)
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "word " * 400}]  # ~400 tokens: ~0.8 s prefill
+    seen: list[int] = []
+    stream = await client.chat.completions.create(
+        model="m", messages=messages, max_tokens=4, stream=True
+    )
+    await wait_until(lambda: w.inflight == 1, timeout=5)
+    seen.append(w.backlog)
+    async for _ in stream:
+        seen.append(w.backlog)
+    assert seen[0] >= 2000  # the whole prompt's JSON, none of it cached yet
+    assert seen[1:] and all(b == 0 for b in seen[1:])
+    await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+    assert w.backlog == 0 and w.inflight == 0
+    await client.close()

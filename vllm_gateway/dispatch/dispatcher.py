@@ -97,6 +97,7 @@ class Lease:
         "full",
         "info",
         "outcome",
+        "pending",
         "started",
         "status",
         "waited",
@@ -127,6 +128,15 @@ class Lease:
         self.bytes = 0
         self.waited = 0.0  # seconds spent in the admission queue before this lease
         self.full = full  # sent to a worker already full (Buckets.take says when)
+        # Its part of the worker's prefill backlog (Worker.backlog) until its first byte.
+        self.pending = 0
+
+    def prefilled(self) -> None:
+        """Its first byte came (or it ended): the worker owes it no more prefill."""
+        pending = self.pending
+        if pending:
+            self.pending = 0
+            self.worker.backlog -= pending
 
 
 class _LeaseContext:
@@ -301,7 +311,13 @@ class Dispatcher:
         worker.sent_since_scrape += 1
         attempt = len(exclude) + 1
         can_retry = attempt < self.retry.max_attempts and len(available) > 1
-        return Lease(self, worker, info, attempt, can_retry, full)
+        lease = Lease(self, worker, info, attempt, can_retry, full)
+        # Only a streamed answer's first byte tells when its prefill ended (a whole
+        # answer comes after its decode too): only those count in the backlog.
+        if info.stream and info.prefill:
+            lease.pending = info.prefill
+            worker.backlog += info.prefill
+        return lease
 
     # --- the admission queue --------------------------------------------------------------
 
@@ -392,6 +408,8 @@ class Dispatcher:
     def _release(self, lease: Lease) -> None:
         worker = lease.worker
         worker.inflight -= 1
+        if lease.pending:  # ended without a first byte
+            lease.prefilled()
         _count_model(worker, lease.info.model, -1)
         worker.finished_since_scrape += 1
         outcome = lease.outcome

@@ -65,10 +65,27 @@ class PrefixBlocks:
     match could end at (`MIN_PREAMBLE_BYTES` past the preamble and on), `blocks[first]` the
     key's, the rest the blocks after it; each stands for a whole prefix."""
 
-    __slots__ = ("blocks", "continued", "first", "key", "preamble")
+    __slots__ = (
+        "blocks",
+        "continued",
+        "first",
+        "key",
+        "key_end",
+        "preamble",
+        "preamble_end",
+        "size",
+    )
 
     def __init__(
-        self, key: int, first: int, blocks: list[int], preamble: int = 0, continued: bool = False
+        self,
+        key: int,
+        first: int,
+        blocks: list[int],
+        preamble: int = 0,
+        continued: bool = False,
+        size: int = 0,
+        key_end: int = 0,
+        preamble_end: int = 0,
     ) -> None:
         self.key = key  # CRC-32 of the key: the same in every process
         self.first = first  # names of blocks wholly inside the key, before the key's own
@@ -77,6 +94,23 @@ class PrefixBlocks:
         # A later turn of a chat: messages follow the first user message (its history was
         # sent somewhere before, by this process or another replica).
         self.continued = continued
+        self.size = size  # bytes of prompt text
+        self.key_end = key_end  # where the key ends in them
+        self.preamble_end = preamble_end  # where the preamble ends (0: no preamble)
+
+    def held_bytes(self, depth: int) -> int:
+        """Bytes of the prompt that `blocks[:depth]` stand for (a worker holding entry
+        `depth - 1` holds that much of it)."""
+        if depth <= 0:
+            return 0
+        i = depth - 1
+        first = self.first
+        if i < first:  # a block inside the key: its name carries its end, in blocks
+            return (self.blocks[i] >> _TAG) * BLOCK_BYTES
+        key_end = self.key_end
+        if i == first:
+            return key_end
+        return min(self.size, (key_end // BLOCK_BYTES + i - first) * BLOCK_BYTES)
 
 
 def _chat(messages: list[Any]) -> tuple[bytes, int, int, bool] | None:
@@ -134,7 +168,7 @@ def _named(data: bytes, preamble_end: int, key_end: int, continued: bool) -> Pre
     crc32 = zlib.crc32
     if len(data) < size:  # no block, and no preamble (shorter than one): the key alone
         key = crc32(data[:key_end])
-        return PrefixBlocks(key, 0, [key], 0, continued)
+        return PrefixBlocks(key, 0, [key], 0, continued, len(data), key_end)
     view = memoryview(data)  # slices without copies
     crc = crc32(view[:preamble_end]) if preamble_end else 0
     preamble = crc if preamble_end >= MIN_PREAMBLE_BYTES else 0
@@ -159,4 +193,6 @@ def _named(data: bytes, preamble_end: int, key_end: int, continued: bool) -> Pre
     for begin in range(start, min(len(data) // size, start // size + MAX_BLOCKS) * size, size):
         h = hash((h, data[begin : begin + size]))
         blocks.append(h)
-    return PrefixBlocks(key, first, blocks, preamble, continued)
+    return PrefixBlocks(
+        key, first, blocks, preamble, continued, len(data), key_end, preamble_end if preamble else 0
+    )

@@ -24,7 +24,17 @@ PRIORITY_HEADER = "x-priority"
 class RequestInfo:
     """What the gateway knows of one request before choosing a worker."""
 
-    __slots__ = ("_blocks", "_doc", "body", "headers", "model", "path", "request_id", "stream")
+    __slots__ = (
+        "_blocks",
+        "_doc",
+        "body",
+        "headers",
+        "model",
+        "path",
+        "prefill",
+        "request_id",
+        "stream",
+    )
 
     def __init__(
         self,
@@ -44,6 +54,9 @@ class RequestInfo:
         self.headers = headers if headers is not None else {}
         self._doc = doc if doc is not None else {}
         self._blocks: PrefixBlocks | bool | None = False  # False: not computed yet
+        # Prompt bytes the chosen worker probably does not cache (set by a policy that
+        # knows, cache_aware; 0: unknown): what it owes the worker's prefill backlog.
+        self.prefill = 0
 
     @property
     def session_key(self) -> str | None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import httptools
 
@@ -74,6 +75,7 @@ class UpstreamConnection(asyncio.Protocol):
         "keep_alive",
         "key",
         "last_data",
+        "on_first_body",
         "out",
         "out_size",
         "parser",
@@ -119,6 +121,8 @@ class UpstreamConnection(asyncio.Protocol):
         self.tail = b""  # the last body bytes relayed (to end an event stream cleanly)
         self.body_bytes = 0  # body bytes received so far (telemetry, access log)
         self.first_body_at = 0.0  # time.monotonic() of the first body byte; 0.0: none yet
+        # Called once at the first body byte (dispatch's prefill backlog; None: nobody).
+        self.on_first_body: Callable[[], None] | None = None
         self.sink: BodySink | None = None
         self.paused = False  # reading paused until the client drains
         self._held = False  # reading paused until the response is committed
@@ -195,6 +199,9 @@ class UpstreamConnection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         if not self.body_bytes:
             self.first_body_at = time.monotonic()
+            if self.on_first_body is not None:
+                self.on_first_body()
+                self.on_first_body = None
         self.body_bytes += len(body)
         self.out.append(body)
         self.out_size += len(body)

@@ -203,6 +203,8 @@ class Relay:
                 ),
                 info.body,
             )
+            if lease.pending:  # (send reset the connection's exchange state)
+                conn.on_first_body = lease.prefilled
             limit = _within(t.first_byte, t.total, lease.started)
             await conn.wait_head(limit)
         except BaseException:

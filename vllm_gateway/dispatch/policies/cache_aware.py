@@ -101,7 +101,7 @@ def rendezvous_rank(key: int, worker: Worker, seed: int) -> float:
 class _View:
     """The candidates of one request with their loads and speeds: who fits one more."""
 
-    __slots__ = ("candidates", "loads", "per_speed", "speeds")
+    __slots__ = ("candidates", "congested", "loads", "per_speed", "speeds")
 
     def __init__(
         self, candidates: Sequence[Worker], loads: list[float], speeds: list[float], per: float
@@ -110,6 +110,8 @@ class _View:
         self.loads = loads
         self.speeds = speeds
         self.per_speed = per  # the fair load per unit of speed, this request included
+        # Indexes of the candidates whose prefill backlog rules them out (`_congested`).
+        self.congested: set[int] | None = None
 
     def fits(self, j: int, extra: float) -> bool:
         """Whether candidate `j` takes one more within its limit,
@@ -136,6 +138,23 @@ class _View:
         return bool(capacity) and w.inflight < capacity
 
 
+def _congested(view: _View, size: int) -> set[int] | None:
+    """The candidates whose prefill backlog (Worker.backlog: prompt bytes owed to this
+    process's requests still waiting for their first byte), per unit of speed relative to
+    the fastest, exceeds the least of any candidate by more than `size`, the whole prompt:
+    there the request would wait longer for its first token than it would take elsewhere
+    to prefill all of it. None when there are none."""
+    speeds = view.speeds
+    top = max(speeds)
+    owed = []
+    for j, w in enumerate(view.candidates):
+        speed = speeds[j]
+        owed.append(w.backlog * top / speed if speed > 0 else math.inf)
+    limit = min(owed) + size
+    out = {j for j, x in enumerate(owed) if x > limit}
+    return out or None
+
+
 class CacheAware:
     """History where it is, else the conversation's rendezvous home within the bound."""
 
@@ -150,9 +169,13 @@ class CacheAware:
         self._seeds: dict[str, int] = {}  # worker URL -> its rendezvous seed
         self._shares: dict[str, Shares] = {}  # model -> its preambles' shares
         self._preamble_ranks: dict[int, dict[str, float]] = {}  # preamble -> URL -> rank
+        # The last request's deepest holders among its candidates, and the depth they hold.
+        self._holders: list[Worker] = []
+        self._depth = 0
 
     def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
         blocks = info.prefix_blocks()
+        info.prefill = 0
         if blocks is None or not candidates:
             return self._fallback.select(candidates, info)
         shares = self._shares.get(info.model)
@@ -164,15 +187,31 @@ class CacheAware:
         # Every request with prompt text counts (preamble 0: none), so a preamble's share
         # is of all the model's traffic: what the workers it needs are measured against.
         share = shares.add(preamble)
-        one = len(candidates) == 1
-        worker = (
-            candidates[0]
-            if one
-            else self._choose(candidates, blocks, preamble, share, shares, info)
-        )
+        if len(candidates) == 1:
+            worker: Worker | None = candidates[0]
+            self._holders, self._depth = self.index.deepest(blocks.blocks, candidates)
+        else:
+            worker = self._choose(candidates, blocks, preamble, share, shares, info)
         if worker is not None:
+            info.prefill = self._uncached(worker, blocks, preamble)
             self.index.record(worker, blocks)
         return worker
+
+    def _uncached(self, worker: Worker, blocks: PrefixBlocks, preamble: int) -> int:
+        """Bytes of the prompt `worker` probably does not cache: past the deepest part the
+        index says it holds (its history, else the preamble or shared start)."""
+        if worker in self._holders:
+            held = blocks.held_bytes(self._depth)
+        elif preamble and self.index.holds(preamble, worker):
+            # The preamble's end, or a shared start's: its name carries its end in blocks.
+            held = (
+                blocks.preamble_end
+                if preamble == blocks.preamble
+                else blocks.held_bytes(blocks.blocks.index(preamble) + 1)
+            )
+        else:
+            held = 0
+        return blocks.size - held if blocks.size > held else 0
 
     def preferred(
         self, gated: Sequence[Worker], candidates: Sequence[Worker], info: RequestInfo
@@ -257,12 +296,15 @@ class CacheAware:
         loads = []
         speeds = []
         best_pace = 0.0
+        owed = 0  # the largest prefill backlog
         for w in candidates:
             loads.append(load(w))
             pace = w.pace
             if pace > best_pace:
                 best_pace = pace
             speeds.append(pace * w.weight)
+            if w.backlog > owed:
+                owed = w.backlog
         if 0.0 in speeds:  # a worker without a pace yet counts with the best one
             best_pace = best_pace or 1.0
             speeds = [(w.pace or best_pace) * w.weight for w in candidates]
@@ -275,8 +317,13 @@ class CacheAware:
         # with room for many; they matter once it nears its capacity). History gets twice
         # the slack.
         view = _View(candidates, loads, speeds, (sum(loads) + 1.0) / total_speed)
+        if owed:  # one may owe more than this whole prompt's prefill, per unit of speed
+            low = min(speeds)
+            if low <= 0 or owed * max(speeds) > blocks.size * low:
+                view.congested = _congested(view, blocks.size)
         held = HISTORY_SLACK * (self._bound - 1.0)
         holders, depth = self.index.deepest(blocks.blocks, candidates)
+        self._holders, self._depth = holders, depth
         if depth > blocks.first:  # they hold the key: this conversation's own history
             # Few holders (a conversation's history is on one worker or two): a C scan each.
             among = [candidates.index(w) for w in holders]
@@ -301,6 +348,9 @@ class CacheAware:
         if best is not None:
             return best
         # Nobody within the bound (only where a figure is not finite): by load alone.
+        congested = view.congested
+        if congested:
+            candidates = [w for j, w in enumerate(candidates) if j not in congested]
         return self._fallback.select(candidates, info)
 
     def _preamble_home(
@@ -346,8 +396,9 @@ class CacheAware:
         if order is None:
             ranks = ranks_for(preamble, candidates)
             order = sorted(range(n), key=ranks.__getitem__)
+        congested = view.congested or ()
         for j in order:
-            if j in planned or not view.speeds[j] > 0:
+            if j in planned or not view.speeds[j] > 0 or j in congested:
                 continue
             if view.fits(j, self._slack(j, candidates, extra)):
                 return candidates[j]
@@ -369,7 +420,10 @@ class CacheAware:
         best_rank = math.inf
         seeds = self._seeds
         candidates = view.candidates
+        congested = view.congested or ()
         for j in among:
+            if j in congested:
+                continue
             w = candidates[j]
             if not (sticky and view.has_room(j)):
                 e = extra if isinstance(extra, float) else self._slack(j, candidates, extra)
@@ -390,9 +444,10 @@ class CacheAware:
         else it would prefill its whole history again. None when none has room."""
         best: Worker | None = None
         best_at = (math.inf, math.inf)
+        congested = view.congested or ()
         for j in among:
             speed = view.speeds[j]
-            if speed > 0 and view.has_room(j):
+            if speed > 0 and view.has_room(j) and j not in congested:
                 w = view.candidates[j]
                 at = (view.loads[j] / speed, self._rank(key, w))
                 if at < best_at:
