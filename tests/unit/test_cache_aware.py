@@ -691,3 +691,105 @@ def test_token_prompts_go_to_the_least_expected_wait():
     assert (
         policy().select(ws, RequestInfo("/v1/completions", b"", "m", True, "r", {}, doc)) is ws[1]
     )
+
+
+# --- the prefill backlog ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("doc", "depth", "expected"),
+    [
+        # The key's own entry holds the prompt up to the key's end.
+        (chat("q " * 300, "answer " * 200, "next"), "key", "key_end"),
+        # The last entry holds the prompt's last full block (the rest is never named).
+        (chat("q " * 300, "answer " * 200, "next"), "last", "full"),
+        # Nothing held: nothing.
+        (chat("q " * 300), 0, 0),
+    ],
+)
+def test_held_bytes_is_how_much_of_the_prompt_an_entry_stands_for(doc, depth, expected):
+    blocks = prefix_blocks(doc)
+    assert blocks is not None
+    n = {"key": blocks.first + 1, "last": len(blocks.blocks)}.get(depth, depth)
+    full = blocks.size // BLOCK_BYTES * BLOCK_BYTES
+    want = {"key_end": blocks.key_end, "full": full}.get(expected, expected)
+    data = orjson.dumps(doc["messages"])
+    assert blocks.size == len(data)
+    assert blocks.held_bytes(n) == want
+    # Each entry after the key stands for a block more of the prompt, in order.
+    ends = [blocks.held_bytes(i) for i in range(len(blocks.blocks) + 1)]
+    assert ends == sorted(ends) and ends[-1] <= blocks.size
+
+
+def test_a_shared_document_entry_holds_up_to_its_block():
+    doc = chat("Document: " + "d " * 2000 + "Question: why?", system="Be brief.")
+    blocks = prefix_blocks(doc)
+    assert blocks is not None and blocks.first >= 2
+    for i in range(1, blocks.first + 1):
+        assert blocks.held_bytes(i) % BLOCK_BYTES == 0
+        assert blocks.held_bytes(i) < blocks.key_end
+
+
+def backlogged(ws: list[Worker], owed: dict[int, int]) -> None:
+    for w in ws:
+        w.capacity, w.pace, w.backlog = 16.0, 1.0, 0
+    for j, b in owed.items():
+        ws[j].backlog = b
+
+
+def test_a_later_turn_leaves_a_holder_that_owes_more_prefill_than_its_whole_prompt():
+    """The holder owes other requests' prefill: the turn waits behind it there, or
+    prefills its whole history elsewhere; it moves only when the wait there is longer
+    than all of its own prompt's prefill."""
+    ws = workers(4)
+    backlogged(ws, {})
+    p = policy()
+    first = chat("q " * 300)
+    home = p.select(ws, info(first))
+    later = info(chat("q " * 300, "answer " * 100, "next question"))
+    size = later.prefix_blocks().size  # type: ignore[union-attr]
+    h = ws.index(home)
+    for owed, stays in [(0, True), (size // 2, True), (size, True), (size + 1, False)]:
+        backlogged(ws, {h: owed})
+        assert (p.select(ws, later) is home) is stays, owed
+    # Measured from the least any candidate owes, not from nothing.
+    backlogged(ws, {j: 3 * size for j in range(4)} | {h: 4 * size})
+    assert p.select(ws, later) is home
+    # A worker half as fast drains its backlog at half the pace: it owes twice as much.
+    backlogged(ws, {h: size * 2 // 3})
+    home.pace = 0.5
+    assert p.select(ws, later) is not home
+
+
+def test_the_chosen_workers_share_of_the_prompt_it_lacks_is_set_on_the_request():
+    ws = workers(4)
+    backlogged(ws, {})
+    p = policy()
+    first = info(chat("q " * 300))
+    home = p.select(ws, first)
+    assert first.prefill == first.prefix_blocks().size  # type: ignore[union-attr]
+    later = info(chat("q " * 300, "answer " * 100, "next question"))
+    blocks = later.prefix_blocks()
+    assert blocks is not None
+    assert p.select(ws, later) is home
+    # It holds the first turn's prompt: what the turn adds is left (to a block).
+    assert 0 < later.prefill <= blocks.size - blocks.key_end + BLOCK_BYTES
+    # Another worker lacks all of it.
+    other = info(chat("q " * 300, "answer " * 100, "next question"))
+    assert p.select([w for w in ws if w is not home], other) is not home
+    assert other.prefill == blocks.size
+
+
+def test_a_congested_preamble_holder_sheds_new_conversations_to_one_that_holds_it_too():
+    ws = workers(4)
+    backlogged(ws, {})
+    p = policy()
+    systems = [f"system prompt number {s} " * 60 for s in range(4)]
+    where = preambles_placed(p, ws, systems, 400)
+    homes = {s: next(iter(on)) for s, on in where.items()}
+    hot = homes[0]
+    fresh = info(chat("a brand new conversation", system=systems[0]))
+    assert p.select(ws, fresh) is hot
+    backlogged(ws, {ws.index(hot): 100 * BLOCK_BYTES})
+    fresh = info(chat("another brand new conversation", system=systems[0]))
+    assert p.select(ws, fresh) is not hot
