@@ -14,6 +14,7 @@ the one predicate every policy asks: ready, and a circuit that lets a request th
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
@@ -63,6 +64,29 @@ class EngineStats:
     # KV cache size in tokens (vllm:cache_config_info: num_gpu_blocks x block_size, summed
     # over engines); None when not reported.
     cache_tokens: float | None = None
+    # vllm:prefix_cache_queries_total and _hits_total (prompt tokens looked up, and found
+    # cached; counters since the worker started); None when not reported.
+    cache_queries: float | None = None
+    cache_hits: float | None = None
+
+
+# Weight of the newest scrape's miss share (per scrape, 4 per second by default): about a
+# second of memory, so the figure follows a worker that starts evicting within a second or
+# two, and one scrape that saw a single cold prompt moves it only part of the way.
+MISS_WEIGHT = 0.25
+
+
+def note_cache(worker: Worker, before: EngineStats | None, now: EngineStats) -> None:
+    """Fold the prefix-cache counters' increase since the last scrape into `worker.miss`."""
+    if before is None or before.cache_queries is None or before.cache_hits is None:
+        return
+    if now.cache_queries is None or now.cache_hits is None:
+        return
+    queried = now.cache_queries - before.cache_queries
+    hit = now.cache_hits - before.cache_hits
+    if not 0 < queried < math.inf or not 0 <= hit <= queried:  # idle, restarted, nonsense
+        return
+    worker.miss += MISS_WEIGHT * (1.0 - hit / queried - worker.miss)
 
 
 class Worker:
@@ -80,6 +104,7 @@ class Worker:
         "inflight",
         "inflight_by_model",
         "max_num_seqs",
+        "miss",
         "models",
         "pace",
         "pinned_models",
@@ -114,6 +139,9 @@ class Worker:
         # cache (the policy's guess), of streamed requests sent and not yet answered with a
         # first byte (dispatch/dispatcher.py Lease.prefilled).
         self.backlog = 0
+        # The share of the prompt tokens it was sent lately that it did not find cached,
+        # from its own counters (`note_cache`); 0 while unknown.
+        self.miss = 0.0
         # The same, by the model each lease asked for (a worker may serve several, and a
         # request for one is not demand for the others); no zero entries.
         self.inflight_by_model: dict[str, int] = {}
@@ -317,6 +345,8 @@ class WorkerRegistry:
         `sent` and `finished` are the worker's `*_since_scrape` counts when the scrape was
         taken: those requests are now part of what it reports; later ones are not.
         """
+        if stats is not None:
+            note_cache(worker, worker.stats, stats)
         worker.stats = stats
         worker.sent_since_scrape = max(0, worker.sent_since_scrape - sent)
         worker.finished_since_scrape = max(0, worker.finished_since_scrape - finished)

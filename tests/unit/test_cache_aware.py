@@ -780,16 +780,57 @@ def test_the_chosen_workers_share_of_the_prompt_it_lacks_is_set_on_the_request()
     assert other.prefill == blocks.size
 
 
-def test_a_congested_preamble_holder_sheds_new_conversations_to_one_that_holds_it_too():
+def test_a_first_turn_stays_with_its_congested_preamble_holder_a_later_turn_leaves():
+    """A first turn sent away from its preamble's worker would copy the preamble into one
+    more cache (a cost to every conversation sharing it): only later turns, whose history
+    moves with them, leave a worker for its prefill backlog."""
     ws = workers(4)
     backlogged(ws, {})
     p = policy()
     systems = [f"system prompt number {s} " * 60 for s in range(4)]
     where = preambles_placed(p, ws, systems, 400)
-    homes = {s: next(iter(on)) for s, on in where.items()}
-    hot = homes[0]
-    fresh = info(chat("a brand new conversation", system=systems[0]))
-    assert p.select(ws, fresh) is hot
+    hot = next(iter(where[0]))
     backlogged(ws, {ws.index(hot): 100 * BLOCK_BYTES})
-    fresh = info(chat("another brand new conversation", system=systems[0]))
-    assert p.select(ws, fresh) is not hot
+    fresh = chat("a brand new conversation", system=systems[0])
+    assert p.select(ws, info(fresh)) is hot
+    later = chat("a brand new conversation", "answer", "and then", system=systems[0])
+    assert p.select(ws, info(later)) is not hot
+
+
+def stats_with(queries: float | None, hits: float | None) -> EngineStats:
+    return EngineStats(0, 0, None, 0.0, None, queries, hits)
+
+
+@pytest.mark.parametrize(
+    ("before", "now", "miss"),
+    [
+        ((1000, 900), (2000, 1900), 0.0),  # all of the last 1000 tokens hit
+        ((1000, 900), (2000, 900), 0.25),  # none hit: a quarter of the way to 1
+        ((1000, 900), (1000, 900), 0.0),  # nothing sent: nothing learned
+        ((5000, 900), (2000, 1900), 0.0),  # counters went back (restarted): skipped
+        ((1000, 900), (2000, 2900), 0.0),  # more hits than queries: nonsense, skipped
+        ((None, None), (2000, 1000), 0.0),  # no counters before: a first reading only
+        ((1000, 900), (None, None), 0.0),  # counters gone
+    ],
+)
+def test_a_workers_miss_share_follows_its_own_prefix_cache_counters(before, now, miss):
+    from vllm_gateway.workers import note_cache
+
+    (w,) = workers(1)
+    note_cache(w, stats_with(*before), stats_with(*now))
+    assert w.miss == pytest.approx(miss)
+
+
+def test_a_worker_missing_what_the_index_says_it_holds_owes_that_share_of_the_prompt():
+    """The index says the holder has the history; its counters say it misses 60% of what
+    it is sent (it evicts): it is counted as owing at least that share of the prompt."""
+    ws = workers(4)
+    backlogged(ws, {})
+    p = policy()
+    home = p.select(ws, info(chat("q " * 300)))
+    later = info(chat("q " * 300, "answer " * 100, "next question"))
+    size = later.prefix_blocks().size  # type: ignore[union-attr]
+    assert p.select(ws, later) is home and later.prefill < size // 2
+    home.miss = 0.6
+    again = info(chat("q " * 300, "answer " * 100, "next question"))
+    assert p.select(ws, again) is home and again.prefill == int(0.6 * size)

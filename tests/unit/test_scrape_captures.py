@@ -78,3 +78,25 @@ def test_the_new_kv_gauge_name_is_read_with_engine_labels():
     stats = parse_metrics(full, NAMES, {"zai-org/GLM-4.5"})
     assert stats is not None and stats.kv_cache_usage == pytest.approx(9.75010481363281e-06)
     assert parse_metrics(full, NAMES, {"zai-org/GLM-4.5", "glm-lora"}) == stats
+
+
+@pytest.mark.parametrize(
+    ("name", "model", "queries", "hits"),
+    [
+        # vLLM 0.10: the counters as vllm:prefix_cache_*_total, two engines of one model.
+        ("vllm_metrics_v1.txt", "meta-llama/Llama-3.1-8B-Instruct", 246912.0, 246912.0),
+        ("vllm_metrics_v1.txt", "Qwen/Qwen2.5-7B-Instruct", 123456.0, 123456.0),
+        # vLLM 0.10 excerpt: queries under the new name, hits only under the older one
+        # (vllm:gpu_prefix_cache_hits_total), which is read when the new one is absent.
+        ("vllm_0.10_v1_production_stack_617.txt", "zai-org/GLM-4.5", 32.0, 0.0),
+        # vLLM 0.7 (V0): no counters (a hit-rate gauge only): unknown, not 0.
+        ("vllm_0.7_v0_aibrix.txt", "Qwen/Qwen2.5-Coder-1.5B-Instruct", None, None),
+    ],
+)
+def test_the_prefix_cache_counters_are_read_per_model(name, model, queries, hits):
+    stats = parse_metrics(page(name), NAMES, {model})
+    if stats is None:  # a page without the queue gauges: add them, as a full page has them
+        extra = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        stats = parse_metrics(page(name) + extra, NAMES, {model})
+    assert stats is not None
+    assert (stats.cache_queries, stats.cache_hits) == (queries, hits)

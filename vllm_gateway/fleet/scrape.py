@@ -52,6 +52,12 @@ def _clamp(value: float, high: float) -> float:
 # the KV cache's size in tokens (the prefix index is sized like it: dispatch/prefix_index.py).
 CACHE_CONFIG = "vllm:cache_config_info"
 MAX_CACHE_TOKENS = 1e12  # clamped as the gauges are: no worker holds a trillion tokens
+# vLLM's prefix-cache counters (V1; prompt tokens looked up, and found cached; the names
+# before 0.10 first on the page win): how much of what it is sent it really finds, which
+# the prefix index only guesses (workers.Worker.miss).
+PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
+PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
+MAX_TOKENS_COUNTED = 1e18  # a counter past this is nonsense; clamped like the gauges
 
 
 class MetricNames:
@@ -66,7 +72,14 @@ class MetricNames:
         self.waiting = tuple(waiting)
         self.kv_cache = tuple(kv_cache)
         # One startswith() per line rejects everything else cheaply.
-        self.prefixes = (*self.running, *self.waiting, *self.kv_cache, CACHE_CONFIG)
+        self.prefixes = (
+            *self.running,
+            *self.waiting,
+            *self.kv_cache,
+            CACHE_CONFIG,
+            *PREFIX_QUERIES,
+            *PREFIX_HITS,
+        )
 
     @classmethod
     def from_config(cls, config: ScrapeConfig) -> MetricNames:
@@ -195,7 +208,19 @@ def parse_metrics(
         kv_cache_usage=kv_usage,
         at=at,
         cache_tokens=_cache_tokens(found.get(CACHE_CONFIG, ())),
+        cache_queries=_counter(found, PREFIX_QUERIES, models),
+        cache_hits=_counter(found, PREFIX_HITS, models),
     )
+
+
+def _counter(
+    found: dict[str, list[tuple[str, float]]], names: tuple[str, ...], models: Collection[str]
+) -> float | None:
+    """A counter summed over the worker's engines (and its models), or None if absent."""
+    values = _pick(found, names, models)
+    if not values:
+        return None
+    return _clamp(sum(_clamp(v, MAX_TOKENS_COUNTED) for v in values), MAX_TOKENS_COUNTED)
 
 
 def _cache_tokens(samples: Iterable[tuple[str, float]]) -> float | None:

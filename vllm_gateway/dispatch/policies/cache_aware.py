@@ -199,7 +199,10 @@ class CacheAware:
 
     def _uncached(self, worker: Worker, blocks: PrefixBlocks, preamble: int) -> int:
         """Bytes of the prompt `worker` probably does not cache: past the deepest part the
-        index says it holds (its history, else the preamble or shared start)."""
+        index says it holds (its history, else the preamble or shared start), and at least
+        the share of prompts it has lately missed by its own counters (Worker.miss): the
+        index is a guess from what was sent, and a worker that evicts what the index
+        thinks it holds (more conversations than its cache) prefills far more."""
         if worker in self._holders:
             held = blocks.held_bytes(self._depth)
         elif preamble and self.index.holds(preamble, worker):
@@ -211,7 +214,9 @@ class CacheAware:
             )
         else:
             held = 0
-        return blocks.size - held if blocks.size > held else 0
+        size = blocks.size
+        missed = int(worker.miss * size)
+        return max(size - held, missed)
 
     def preferred(
         self, gated: Sequence[Worker], candidates: Sequence[Worker], info: RequestInfo
@@ -317,7 +322,11 @@ class CacheAware:
         # with room for many; they matter once it nears its capacity). History gets twice
         # the slack.
         view = _View(candidates, loads, speeds, (sum(loads) + 1.0) / total_speed)
-        if owed:  # one may owe more than this whole prompt's prefill, per unit of speed
+        # Only for a later turn of a chat: its history, once moved, moves with it (its next
+        # turns follow it there). A first turn sent away from the workers of a preamble or
+        # shared document would copy that prefix into one more worker's cache, a cost to
+        # every later request sharing it that this one request's comparison does not see.
+        if owed and blocks.continued:  # one may owe more than this whole prompt, per speed
             low = min(speeds)
             if low <= 0 or owed * max(speeds) > blocks.size * low:
                 view.congested = _congested(view, blocks.size)
