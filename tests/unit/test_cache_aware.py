@@ -737,28 +737,43 @@ def backlogged(ws: list[Worker], owed: dict[int, int]) -> None:
         ws[j].backlog = b
 
 
-def test_a_later_turn_leaves_a_holder_that_owes_more_prefill_than_its_whole_prompt():
-    """The holder owes other requests' prefill: the turn waits behind it there, or
-    prefills its whole history elsewhere; it moves only when the wait there is longer
-    than all of its own prompt's prefill."""
+def test_a_later_turn_leaves_a_holder_only_behind_more_prefill_than_moving_costs():
+    """Moving costs the turn its whole prompt's prefill elsewhere, and the requests behind
+    it there the part the holder would not have prefilled: it leaves a holder only when
+    the holder owes more than that above the least any candidate owes."""
     ws = workers(4)
     backlogged(ws, {})
     p = policy()
-    first = chat("q " * 300)
-    home = p.select(ws, info(first))
-    later = info(chat("q " * 300, "answer " * 100, "next question"))
-    size = later.prefix_blocks().size  # type: ignore[union-attr]
-    h = ws.index(home)
-    for owed, stays in [(0, True), (size // 2, True), (size, True), (size + 1, False)]:
-        backlogged(ws, {h: owed})
-        assert (p.select(ws, later) is home) is stays, owed
-    # Measured from the least any candidate owes, not from nothing.
-    backlogged(ws, {j: 3 * size for j in range(4)} | {h: 4 * size})
+    home = p.select(ws, info(chat("q " * 300)))
+
+    def turn() -> RequestInfo:
+        return info(chat("q " * 300, "answer " * 100, "next question"))
+
+    assert p.select(ws, turn()) is home  # now the index says it holds this turn too
+    later = turn()
     assert p.select(ws, later) is home
-    # A worker half as fast drains its backlog at half the pace: it owes twice as much.
-    backlogged(ws, {h: size * 2 // 3})
+    size, own = later.prefix_blocks().size, later.prefill  # type: ignore[union-attr]
+    limit = 2 * size - own  # owed past the least before it leaves
+    h = ws.index(home)
+
+    for owed, stays in [(size, True), (limit, True), (limit + 1, False)]:
+        backlogged(ws, {h: owed})
+        assert (p.select(ws, turn()) is home) is stays, owed
+    # Measured from the least any candidate owes, not from nothing.
+    backlogged(ws, {j: 3 * size for j in range(4)} | {h: 3 * size + limit})
+    assert p.select(ws, turn()) is home
+    # A worker of another speed class (half as fast) drains at half the pace: its backlog
+    # counts twice; a pace learned a little lower (the same class) changes nothing.
+    backlogged(ws, {h: limit // 2 + 1})
+    home.pace = 0.9
+    assert p.select(ws, turn()) is home
     home.pace = 0.5
-    assert p.select(ws, later) is not home
+    assert p.select(ws, turn()) is not home
+    # A holder that misses most of what it is sent (it evicts) is left behind less.
+    backlogged(ws, {h: size + 1})
+    assert p.select(ws, turn()) is home
+    home.miss = 1.0
+    assert p.select(ws, turn()) is not home
 
 
 def test_the_chosen_workers_share_of_the_prompt_it_lacks_is_set_on_the_request():

@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 import random
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.buckets import PROBE_START
@@ -138,20 +138,29 @@ class _View:
         return bool(capacity) and w.inflight < capacity
 
 
-def _congested(view: _View, size: int) -> set[int] | None:
-    """The candidates whose prefill backlog (Worker.backlog: prompt bytes owed to this
-    process's requests still waiting for their first byte), per unit of speed relative to
-    the fastest, exceeds the least of any candidate by more than `size`, the whole prompt:
-    there the request would wait longer for its first token than it would take elsewhere
-    to prefill all of it. None when there are none."""
+def _congested(view: _View, size: int, uncached: Callable[[int], int]) -> set[int] | None:
+    """The candidates a later turn should leave for their prefill backlog (Worker.backlog:
+    prompt bytes owed to this process's requests still waiting for their first byte),
+    counted per speed class (pace to the fastest candidate's, rounded to a power of two,
+    so one kind of GPU is one class whatever its learned paces). Candidate `j` is left
+    out when its backlog exceeds the least of any candidate by more than what moving
+    costs: the whole prompt prefilled elsewhere (`size`, the turn's own wait there), plus
+    the work the move adds to that worker's queue for the requests behind it (`size -
+    uncached(j)`: what `j` would not have had to prefill). So a holder that has the
+    history is left only behind about two prompts' worth more prefill than elsewhere,
+    one that evicts it (`uncached` near `size`) behind one. None when there are none."""
     speeds = view.speeds
     top = max(speeds)
     owed = []
     for j, w in enumerate(view.candidates):
         speed = speeds[j]
-        owed.append(w.backlog * top / speed if speed > 0 else math.inf)
-    limit = min(owed) + size
-    out = {j for j, x in enumerate(owed) if x > limit}
+        scale = 2.0 ** round(math.log2(top / speed)) if speed > 0 else math.inf
+        owed.append(w.backlog * scale)
+    least = min(owed)
+    out = set()
+    for j, x in enumerate(owed):
+        if x > least + size and x > least + 2 * size - uncached(j):
+            out.add(j)
     return out or None
 
 
@@ -326,13 +335,16 @@ class CacheAware:
         # turns follow it there). A first turn sent away from the workers of a preamble or
         # shared document would copy that prefix into one more worker's cache, a cost to
         # every later request sharing it that this one request's comparison does not see.
-        if owed and blocks.continued:  # one may owe more than this whole prompt, per speed
-            low = min(speeds)
-            if low <= 0 or owed * max(speeds) > blocks.size * low:
-                view.congested = _congested(view, blocks.size)
-        held = HISTORY_SLACK * (self._bound - 1.0)
         holders, depth = self.index.deepest(blocks.blocks, candidates)
         self._holders, self._depth = holders, depth
+        if owed and blocks.continued:  # one may owe more than this whole prompt, per speed
+            low = min(speeds)
+            # (a speed class is at most 1.5x the speed ratio it rounds)
+            if low <= 0 or owed * 1.5 * max(speeds) > blocks.size * low:
+                view.congested = _congested(
+                    view, blocks.size, lambda j: self._uncached(candidates[j], blocks, preamble)
+                )
+        held = HISTORY_SLACK * (self._bound - 1.0)
         if depth > blocks.first:  # they hold the key: this conversation's own history
             # Few holders (a conversation's history is on one worker or two): a C scan each.
             among = [candidates.index(w) for w in holders]
