@@ -231,7 +231,7 @@ def w_of(gw):
 
 
 async def test_a_streamed_request_owes_its_worker_prefill_until_its_first_byte(
-    fake_worker, gateway
+    fake_worker, gateway, http
 ):
     """cache_aware counts the prompt bytes a worker probably lacks in its prefill backlog
     (Worker.backlog) from dispatch to the first byte of the answer; a whole (non-streamed)
@@ -255,3 +255,9 @@ async def test_a_streamed_request_owes_its_worker_prefill_until_its_first_byte(
     await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
     assert w.backlog == 0 and w.inflight == 0
     await client.close()
+    # /list_workers shows it, and the share of prompt tokens the worker's counters say it
+    # missed (scraped: the first request missed all; the same prompt again hit most).
+    async with http.get(gw.url + "/list_workers") as r:
+        (shown,) = (await r.json())["workers"]
+    assert shown["dispatch"]["prefill_backlog"] == 0
+    assert 0.0 <= shown["dispatch"]["cache_miss"] <= 1.0

@@ -355,6 +355,10 @@ class Buckets:
             "pace": round(worker.pace, 4),
             "capacity": round(capacity, 1) if capacity is not None else None,
             "tokens": None if open_ or b is None else round(b.tokens, 1),  # None: no limit now
+            # The prefill it owes this process's streamed requests (prompt bytes; cache_aware),
+            # and the share of prompt tokens its own counters say it missed lately.
+            "prefill_backlog": worker.backlog,
+            "cache_miss": round(worker.miss, 3),
         }
 
     def forget_missing(self, present: set[Worker]) -> None:
