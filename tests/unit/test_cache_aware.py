@@ -849,3 +849,35 @@ def test_a_worker_missing_what_the_index_says_it_holds_owes_that_share_of_the_pr
     home.miss = 0.6
     again = info(chat("q " * 300, "answer " * 100, "next question"))
     assert p.select(ws, again) is home and again.prefill == int(0.6 * size)
+
+
+@pytest.mark.parametrize("odd_weight", [0.0, 1e-300, 1e300])
+def test_a_backlog_veto_survives_a_worker_of_odd_weight(odd_weight):
+    """A worker of weight 0 (speed 0) among the candidates neither switches the backlog
+    comparison off (0 x inf is NaN) nor, at an extreme weight, makes it raise."""
+    ws = workers(5)
+    backlogged(ws, {})
+    p = policy()
+    holders = [w for w in ws[1:]]
+    home = p.select(holders, info(chat("q " * 300)))
+    ws[0].weight = odd_weight
+    later = chat("q " * 300, "answer " * 100, "next question")
+    assert p.select(ws, info(later)) is home
+    backlogged(ws, {ws.index(home): 1 << 20})
+    ws[0].weight = odd_weight
+    assert p.select(ws, info(later)) is not home
+
+
+def test_a_history_longer_than_the_names_is_counted_held_on_its_holder():
+    """Names stop 32 KiB after the key; a worker holding the deepest of them has the
+    conversation: it owes about the last block of it, not everything past the names."""
+    ws = workers(4)
+    backlogged(ws, {})
+    p = policy()
+    turns = ["q " * 300] + [f"turn {i} " * 2000 for i in range(5)]  # ~50 KB of history
+    home = p.select(ws, info(chat(*turns)))
+    again = info(chat(*turns, "answer", "next"))
+    assert p.select(ws, again) is home
+    blocks = again.prefix_blocks()
+    assert blocks is not None and blocks.size > 48 * BLOCK_BYTES
+    assert again.prefill <= BLOCK_BYTES

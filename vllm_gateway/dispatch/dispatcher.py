@@ -302,6 +302,7 @@ class Dispatcher:
                     return None
         else:
             candidates = available
+        info.prefill = 0  # set by a policy that knows (a retry may meet another policy)
         worker = policy.select(candidates, info)
         if worker is None:
             return None

@@ -284,6 +284,7 @@ class UpstreamConnection(asyncio.Protocol):
     def finish(self) -> None:
         """The exchange is over: the connection may be reused if it ended cleanly."""
         self.sink = None
+        self.on_first_body = None  # (an answer without a body never called it)
         self.busy = False
         self.reusable = (
             self.complete

@@ -64,7 +64,7 @@ from vllm_gateway.dispatch.buckets import PROBE_START
 from vllm_gateway.dispatch.load import load
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
 from vllm_gateway.dispatch.preamble_plan import Shares, wanted
-from vllm_gateway.dispatch.prefix_hash import PrefixBlocks
+from vllm_gateway.dispatch.prefix_hash import BLOCK_BYTES, PrefixBlocks
 from vllm_gateway.dispatch.prefix_index import PrefixIndex
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.workers import Worker
@@ -154,9 +154,15 @@ def _congested(view: _View, size: int, uncached: Callable[[int], int]) -> set[in
     owed = []
     for j, w in enumerate(view.candidates):
         speed = speeds[j]
-        scale = 2.0 ** round(math.log2(top / speed)) if speed > 0 else math.inf
-        owed.append(w.backlog * scale)
+        if speed > 0:
+            ratio = top / speed  # >= 1; a class past 2^30 is no different from 2^30
+            scale = 2.0 ** min(30, round(math.log2(ratio))) if ratio < 2.0**30 else 2.0**30
+            owed.append(w.backlog * scale)
+        else:  # weight 0: never chosen but as a last resort; owes nothing comparable
+            owed.append(math.inf)
     least = min(owed)
+    if least == math.inf:
+        return None
     out = set()
     for j, x in enumerate(owed):
         if x > least + size and x > least + 2 * size - uncached(j):
@@ -185,6 +191,7 @@ class CacheAware:
     def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
         blocks = info.prefix_blocks()
         info.prefill = 0
+        self._holders, self._depth = [], 0
         if blocks is None or not candidates:
             return self._fallback.select(candidates, info)
         shares = self._shares.get(info.model)
@@ -198,11 +205,13 @@ class CacheAware:
         share = shares.add(preamble)
         if len(candidates) == 1:
             worker: Worker | None = candidates[0]
-            self._holders, self._depth = self.index.deepest(blocks.blocks, candidates)
+            if info.stream:
+                self._holders, self._depth = self.index.deepest(blocks.blocks, candidates)
         else:
             worker = self._choose(candidates, blocks, preamble, share, shares, info)
         if worker is not None:
-            info.prefill = self._uncached(worker, blocks, preamble)
+            if info.stream:  # only a streamed answer's first byte says its prefill ended
+                info.prefill = self._uncached(worker, blocks, preamble)
             self.index.record(worker, blocks)
         return worker
 
@@ -213,7 +222,13 @@ class CacheAware:
         index is a guess from what was sent, and a worker that evicts what the index
         thinks it holds (more conversations than its cache) prefills far more."""
         if worker in self._holders:
-            held = blocks.held_bytes(self._depth)
+            depth = self._depth
+            held = blocks.held_bytes(depth)
+            if depth == len(blocks.blocks) and blocks.size - held > BLOCK_BYTES:
+                # It holds the deepest name, and the prompt runs past the names (32 KiB
+                # after the key): counted held but for its last block, rather than a long
+                # history counted uncached on the worker that has it.
+                held = blocks.size - BLOCK_BYTES
         elif preamble and self.index.holds(preamble, worker):
             # The preamble's end, or a shared start's: its name carries its end in blocks.
             held = (
@@ -310,15 +325,19 @@ class CacheAware:
         loads = []
         speeds = []
         best_pace = 0.0
-        owed = 0  # the largest prefill backlog
+        owed = 0  # the largest prefill backlog, and the least
+        least = math.inf
         for w in candidates:
             loads.append(load(w))
             pace = w.pace
             if pace > best_pace:
                 best_pace = pace
             speeds.append(pace * w.weight)
-            if w.backlog > owed:
-                owed = w.backlog
+            backlog = w.backlog
+            if backlog > owed:
+                owed = backlog
+            if backlog < least:
+                least = backlog
         if 0.0 in speeds:  # a worker without a pace yet counts with the best one
             best_pace = best_pace or 1.0
             speeds = [(w.pace or best_pace) * w.weight for w in candidates]
@@ -338,9 +357,10 @@ class CacheAware:
         holders, depth = self.index.deepest(blocks.blocks, candidates)
         self._holders, self._depth = holders, depth
         if owed and blocks.continued:  # one may owe more than this whole prompt, per speed
-            low = min(speeds)
-            # (a speed class is at most 1.5x the speed ratio it rounds)
-            if low <= 0 or owed * 1.5 * max(speeds) > blocks.size * low:
+            # Cheap bound first (a speed class is at most 1.5x the speed ratio it rounds;
+            # weight-0 candidates, speed 0, are never left out for a backlog).
+            low = min((x for x in speeds if x > 0), default=0.0)
+            if low > 0 and owed * 1.5 * max(speeds) / low - least > blocks.size:
                 view.congested = _congested(
                     view, blocks.size, lambda j: self._uncached(candidates[j], blocks, preamble)
                 )
