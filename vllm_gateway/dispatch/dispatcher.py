@@ -54,6 +54,17 @@ from types import TracebackType
 from vllm_gateway.config.gateway import DispatchConfig, RetryConfig
 from vllm_gateway.dispatch.admission import Admission
 from vllm_gateway.dispatch.buckets import Buckets
+from vllm_gateway.dispatch.lease import (
+    BROKEN,
+    CLIENT_GONE,
+    CONNECT_TIMEOUT,
+    OK,
+    REFUSED,
+    SHUTDOWN,
+    TIMEOUT,
+    UNREACHABLE,
+    Lease,
+)
 from vllm_gateway.dispatch.policies import Policy, forget_missing, preferred_of
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.errors import (
@@ -69,74 +80,28 @@ from vllm_gateway.errors import (
 from vllm_gateway.log import get_logger
 from vllm_gateway.workers import Worker, WorkerRegistry
 
+# The lease and its outcomes live in lease.py; they are read from here too (the relay,
+# the breaker, telemetry, the status page).
+__all__ = [
+    "BROKEN",
+    "CLIENT_GONE",
+    "CONNECT_TIMEOUT",
+    "OK",
+    "REFUSED",
+    "RETRY_STATUSES",
+    "SHUTDOWN",
+    "TIMEOUT",
+    "UNREACHABLE",
+    "Dispatcher",
+    "Lease",
+    "outcome_of",
+    "unreachable_answer",
+]
+
 log = get_logger("vllm_gateway.dispatch")
 
 # Worker answers that mean "not now, ask someone else" (see the retry rule above).
 RETRY_STATUSES = frozenset({429, 503})
-
-# Outcomes a lease ends with (also the values of the telemetry label and access log field).
-OK = "ok"  # the worker answered and the answer reached the client (any status)
-CLIENT_GONE = "client_gone"  # the client left first; its request on the worker was cancelled
-UNREACHABLE = "unreachable"  # the worker could not be reached (refused, no route)
-CONNECT_TIMEOUT = "connect_timeout"  # the connect timed out: no byte reached the worker
-REFUSED = "refused"  # the worker answered 503/429 and the request went to another one
-TIMEOUT = "timeout"  # a relay timeout expired
-BROKEN = "broken"  # the worker failed mid-answer (reset, malformed framing)
-SHUTDOWN = "shutdown"  # the gateway stopped before the answer ended (shutdown grace ran out)
-
-
-class Lease:
-    """One request's hold on one worker, from dispatch to the end of its relay."""
-
-    __slots__ = (
-        "_dispatcher",
-        "attempt",
-        "bytes",
-        "can_retry",
-        "first_byte",
-        "full",
-        "info",
-        "outcome",
-        "pending",
-        "started",
-        "status",
-        "waited",
-        "worker",
-    )
-
-    def __init__(
-        self,
-        dispatcher: Dispatcher,
-        worker: Worker,
-        info: RequestInfo,
-        attempt: int = 1,
-        can_retry: bool = False,
-        full: bool = False,
-    ) -> None:
-        self._dispatcher = dispatcher
-        self.worker = worker
-        self.info = info
-        self.started = time.monotonic()
-        self.status = 0  # HTTP status the worker answered, 0 until it did
-        self.outcome = OK
-        self.attempt = attempt  # 1 for the first worker tried, 2 for the next, ...
-        # Another attempt is allowed if this one fails retryably (the rule above).
-        self.can_retry = can_retry
-        # Set by the relay: time.monotonic() when the first body byte went to the client
-        # (0.0 until then), and the body bytes relayed (telemetry, access log).
-        self.first_byte = 0.0
-        self.bytes = 0
-        self.waited = 0.0  # seconds spent in the admission queue before this lease
-        self.full = full  # sent to a worker already full (Buckets.take says when)
-        # Its part of the worker's prefill backlog (Worker.backlog) until its first byte.
-        self.pending = 0
-
-    def prefilled(self) -> None:
-        """Its first byte came (or it ended): the worker owes it no more prefill."""
-        pending = self.pending
-        if pending:
-            self.pending = 0
-            self.worker.backlog -= pending
 
 
 class _LeaseContext:

@@ -57,14 +57,15 @@ from __future__ import annotations
 import math
 import random
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from vllm_gateway.config.gateway import DispatchConfig
-from vllm_gateway.dispatch.buckets import PROBE_START
-from vllm_gateway.dispatch.load import load
+from vllm_gateway.dispatch.backlog import congested as congested_of
+from vllm_gateway.dispatch.backlog import uncached, worth_checking
+from vllm_gateway.dispatch.policies.load_view import LoadView as _View
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
 from vllm_gateway.dispatch.preamble_plan import Shares, wanted
-from vllm_gateway.dispatch.prefix_hash import BLOCK_BYTES, PrefixBlocks
+from vllm_gateway.dispatch.prefix_hash import PrefixBlocks
 from vllm_gateway.dispatch.prefix_index import PrefixIndex
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.workers import Worker
@@ -96,78 +97,6 @@ def rendezvous_rank(key: int, worker: Worker, seed: int) -> float:
     x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _M64
     u = ((x >> 11) + 0.5) / (1 << 53)
     return -math.log(u) / weight
-
-
-class _View:
-    """The candidates of one request with their loads and speeds: who fits one more."""
-
-    __slots__ = ("candidates", "congested", "loads", "per_speed", "speeds")
-
-    def __init__(
-        self, candidates: Sequence[Worker], loads: list[float], speeds: list[float], per: float
-    ) -> None:
-        self.candidates = candidates
-        self.loads = loads
-        self.speeds = speeds
-        self.per_speed = per  # the fair load per unit of speed, this request included
-        # Indexes of the candidates whose prefill backlog rules them out (`_congested`).
-        self.congested: set[int] | None = None
-
-    def fits(self, j: int, extra: float) -> bool:
-        """Whether candidate `j` takes one more within its limit,
-        `load + 1 <= ceil(fair + extra x max(fair, capacity))` (never when not finite)."""
-        w = self.candidates[j]
-        fair = self.per_speed * self.speeds[j]
-        # Unknown capacity: what the capacity gate itself assumes a worker runs at once.
-        capacity = w.capacity or w.max_num_seqs or PROBE_START
-        try:
-            return self.loads[j] + 1.0 <= math.ceil(
-                fair + extra * (capacity if capacity > fair else fair)
-            )
-        except (OverflowError, ValueError):  # inf or NaN from a nonsense figure somewhere
-            return False
-
-    def has_room(self, j: int) -> bool:
-        """Whether candidate `j` has a batch slot free by the capacity gate's own measure:
-        the gateway's in-flight requests to it below the capacity the gate knows
-        (configured, learned or its probing limit); False while none is known. A candidate
-        on the request path always has (the gate let it through); FastChat's
-        /get_worker_address may offer full workers too."""
-        w = self.candidates[j]
-        capacity = w.max_num_seqs or w.capacity
-        return bool(capacity) and w.inflight < capacity
-
-
-def _congested(view: _View, size: int, uncached: Callable[[int], int]) -> set[int] | None:
-    """The candidates a later turn should leave for their prefill backlog (Worker.backlog:
-    prompt bytes owed to this process's requests still waiting for their first byte),
-    counted per speed class (pace to the fastest candidate's, rounded to a power of two,
-    so one kind of GPU is one class whatever its learned paces). Candidate `j` is left
-    out when its backlog exceeds the least of any candidate by more than what moving
-    costs: the whole prompt prefilled elsewhere (`size`, the turn's own wait there), plus
-    the work the move adds to that worker's queue for the requests behind it (`size -
-    uncached(j)`: what `j` would not have had to prefill). So a holder that has the
-    history is left only behind about two prompts' worth more prefill than elsewhere,
-    one that evicts it (`uncached` near `size`) behind one. None when there are none."""
-    speeds = view.speeds
-    top = max(speeds)
-    owed = []
-    for j, w in enumerate(view.candidates):
-        speed = speeds[j]
-        if speed > 0:
-            ratio = top / speed  # >= 1; a class past 2^30 is no different from 2^30
-            scale = 2.0 ** min(30, round(math.log2(ratio))) if ratio < 2.0**30 else 2.0**30
-            owed.append(w.backlog * scale)
-        else:  # weight 0: never chosen but as a last resort; owes nothing comparable
-            owed.append(math.inf)
-    least = min(owed)
-    if least == math.inf:
-        return None
-    out = set()
-    for j, x in enumerate(owed):
-        if x > least + size and x > least + 2 * size - uncached(j):
-            out.add(j)
-    return out or None
 
 
 class CacheAware:
@@ -216,31 +145,9 @@ class CacheAware:
         return worker
 
     def _uncached(self, worker: Worker, blocks: PrefixBlocks, preamble: int) -> int:
-        """Bytes of the prompt `worker` probably does not cache: past the deepest part the
-        index says it holds (its history, else the preamble or shared start), and at least
-        the share of prompts it has lately missed by its own counters (Worker.miss): the
-        index is a guess from what was sent, and a worker that evicts what the index
-        thinks it holds (more conversations than its cache) prefills far more."""
-        if worker in self._holders:
-            depth = self._depth
-            held = blocks.held_bytes(depth)
-            if depth == len(blocks.blocks) and blocks.size - held > BLOCK_BYTES:
-                # It holds the deepest name, and the prompt runs past the names (32 KiB
-                # after the key): counted held but for its last block, rather than a long
-                # history counted uncached on the worker that has it.
-                held = blocks.size - BLOCK_BYTES
-        elif preamble and self.index.holds(preamble, worker):
-            # The preamble's end, or a shared start's: its name carries its end in blocks.
-            held = (
-                blocks.preamble_end
-                if preamble == blocks.preamble
-                else blocks.held_bytes(blocks.blocks.index(preamble) + 1)
-            )
-        else:
-            held = 0
-        size = blocks.size
-        missed = int(worker.miss * size)
-        return max(size - held, missed)
+        """Prompt bytes `worker` probably lacks (backlog.py), by this request's holders."""
+        held = self._holders if worker in self._holders else ()
+        return uncached(worker, blocks, preamble, self._depth if held else 0, self.index)
 
     def preferred(
         self, gated: Sequence[Worker], candidates: Sequence[Worker], info: RequestInfo
@@ -321,49 +228,13 @@ class CacheAware:
         shares: Shares,
         info: RequestInfo,
     ) -> Worker | None:
-        # One pass over the candidates (this runs for every request, 64 workers or more).
-        loads = []
-        speeds = []
-        best_pace = 0.0
-        owed = 0  # the largest prefill backlog, and the least
-        least = math.inf
-        for w in candidates:
-            loads.append(load(w))
-            pace = w.pace
-            if pace > best_pace:
-                best_pace = pace
-            speeds.append(pace * w.weight)
-            backlog = w.backlog
-            if backlog > owed:
-                owed = backlog
-            if backlog < least:
-                least = backlog
-        if 0.0 in speeds:  # a worker without a pace yet counts with the best one
-            best_pace = best_pace or 1.0
-            speeds = [(w.pace or best_pace) * w.weight for w in candidates]
-        total_speed = sum(speeds)
-        if not 0 < total_speed < math.inf:  # all of weight 0 (or nonsense): by load alone
+        view = _View.of(candidates)
+        if view is None:  # all of weight 0 (or nonsense): by load alone
             return self._fallback.select(candidates, info)
-        # The fair load per unit of speed (this request included): a worker's limit is its
-        # fair share plus (bound - 1) x that share, or x its capacity when the fleet is
-        # lightly loaded (a few requests over an even split matter nothing to a worker
-        # with room for many; they matter once it nears its capacity). History gets twice
-        # the slack.
-        view = _View(candidates, loads, speeds, (sum(loads) + 1.0) / total_speed)
-        # Only for a later turn of a chat: its history, once moved, moves with it (its next
-        # turns follow it there). A first turn sent away from the workers of a preamble or
-        # shared document would copy that prefix into one more worker's cache, a cost to
-        # every later request sharing it that this one request's comparison does not see.
         holders, depth = self.index.deepest(blocks.blocks, candidates)
         self._holders, self._depth = holders, depth
-        if owed and blocks.continued:  # one may owe more than this whole prompt, per speed
-            # Cheap bound first (a speed class is at most 1.5x the speed ratio it rounds;
-            # weight-0 candidates, speed 0, are never left out for a backlog).
-            low = min((x for x in speeds if x > 0), default=0.0)
-            if low > 0 and owed * 1.5 * max(speeds) / low - least > blocks.size:
-                view.congested = _congested(
-                    view, blocks.size, lambda j: self._uncached(candidates[j], blocks, preamble)
-                )
+        if blocks.continued and view.owed:
+            self._leave_congested(view, blocks, preamble)
         held = HISTORY_SLACK * (self._bound - 1.0)
         if depth > blocks.first:  # they hold the key: this conversation's own history
             # Few holders (a conversation's history is on one worker or two): a C scan each.
@@ -477,6 +348,19 @@ class CacheAware:
             if rank < best_rank:
                 best, best_rank = w, rank
         return best
+
+    def _leave_congested(self, view: _View, blocks: PrefixBlocks, preamble: int) -> None:
+        """Mark the candidates a later turn should leave for their prefill backlog
+        (backlog.py). Only a later turn of a chat: its history, once moved, moves with it
+        (its next turns follow it there); a first turn sent away from the workers of a
+        preamble or shared document would copy that prefix into one more worker's cache,
+        a cost to every later request sharing it that one request's comparison misses."""
+        speeds, size = view.speeds, blocks.size
+        if worth_checking(view.owed, view.least, speeds, size):
+            candidates = view.candidates
+            view.congested = congested_of(
+                candidates, speeds, size, lambda j: self._uncached(candidates[j], blocks, preamble)
+            )
 
     def _holder_with_room(self, key: int, among: list[int], view: _View) -> Worker | None:
         """A later turn whose holders are all past the history bound: the least loaded

@@ -1,0 +1,96 @@
+"""The prefill backlog: which candidates a later turn should leave for the prefill they owe.
+
+    uncached(worker, blocks, preamble, depth, index) -> bytes   (what a request would owe)
+    worth_checking(owed, least, speeds, size) -> bool           (a cheap bound first)
+    congested(candidates, speeds, size, uncached_of) -> set | None
+
+`Worker.backlog` is the prompt bytes a worker probably lacks of this process's streamed
+requests that have not had their first byte (the dispatcher adds a request's part,
+`RequestInfo.prefill`, when it leases the worker; the relay takes it off at the answer's
+first body byte, which vLLM sends with the first token). docs/dispatch.md "The prefill
+backlog" gives the rule and why. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from vllm_gateway.dispatch.prefix_hash import BLOCK_BYTES, PrefixBlocks
+from vllm_gateway.dispatch.prefix_index import PrefixIndex
+from vllm_gateway.workers import Worker
+
+# Speed classes are powers of two of the speed ratio, capped (a weight near 0 would
+# overflow log2 and pow; past this a class says nothing more).
+MAX_CLASS = 30
+
+
+def uncached(
+    worker: Worker, blocks: PrefixBlocks, preamble: int, depth: int, index: PrefixIndex
+) -> int:
+    """Bytes of the prompt `worker` probably does not cache: past the deepest part the
+    index says it holds (`depth`: the entries it holds, when it is among the deepest
+    holders, else 0; then the preamble or shared start it holds), and at least the share
+    of prompts it has lately missed by its own counters (Worker.miss): the index is a
+    guess from what was sent, and a worker that evicts what the index thinks it holds
+    (more conversations than its cache) prefills far more."""
+    size = blocks.size
+    if depth:
+        held = blocks.held_bytes(depth)
+        if depth == len(blocks.blocks) and size - held > BLOCK_BYTES:
+            # It holds the deepest name, and the prompt runs past the names (32 KiB after
+            # the key): counted held but for its last block, rather than a long history
+            # counted uncached on the worker that has it.
+            held = size - BLOCK_BYTES
+    elif preamble and index.holds(preamble, worker):
+        # The preamble's end, or a shared start's: its name carries its end in blocks.
+        held = (
+            blocks.preamble_end
+            if preamble == blocks.preamble
+            else blocks.held_bytes(blocks.blocks.index(preamble) + 1)
+        )
+    else:
+        held = 0
+    return max(size - held, int(worker.miss * size))
+
+
+def worth_checking(owed: float, least: float, speeds: Sequence[float], size: int) -> bool:
+    """Whether any candidate may be left out (`congested` would find one): the largest
+    backlog `owed`, at the largest speed class, past the least by more than `size`. A
+    speed class is at most 1.5x the ratio it rounds; speed 0 (weight 0) never counts."""
+    low = min((x for x in speeds if x > 0), default=0.0)
+    return low > 0 and owed * 1.5 * max(speeds) / low - least > size
+
+
+def congested(
+    candidates: Sequence[Worker],
+    speeds: Sequence[float],
+    size: int,
+    uncached_of: Callable[[int], int],
+) -> set[int] | None:
+    """The candidates a later turn of `size` prompt bytes should leave for their backlog,
+    counted per speed class (pace x weight to the fastest candidate's, rounded to a power
+    of two, so one kind of GPU is one class whatever its learned paces). Candidate `j` is
+    left out when its backlog exceeds the least of any candidate by more than moving
+    costs: the whole prompt prefilled elsewhere (`size`, the turn's own wait there), plus
+    the work the move adds to that worker's queue for the requests behind it (`size -
+    uncached_of(j)`: what `j` would not have had to prefill). So a holder that has the
+    history is left only behind about two prompts' worth more prefill than elsewhere,
+    one that evicts it behind one. None when there are none."""
+    top = max(speeds)
+    owed = []
+    for j, w in enumerate(candidates):
+        speed = speeds[j]
+        if speed > 0:
+            ratio = top / speed  # >= 1
+            k = min(MAX_CLASS, round(math.log2(ratio))) if ratio < 2.0**MAX_CLASS else MAX_CLASS
+            owed.append(w.backlog * 2.0**k)
+        else:  # weight 0: never chosen but as a last resort; owes nothing comparable
+            owed.append(math.inf)
+    least = min(owed)
+    if least == math.inf:
+        return None
+    out = {
+        j for j, x in enumerate(owed) if x > least + size and x > least + 2 * size - uncached_of(j)
+    }
+    return out or None
