@@ -137,7 +137,7 @@ class Worker:
         self.inflight = 0  # requests the gateway has sent and not yet seen finish
         # Prefill it owes this process's requests: the prompt bytes it probably does not
         # cache (the policy's guess), of streamed requests sent and not yet answered with a
-        # first byte (dispatch/dispatcher.py Lease.prefilled).
+        # first byte (dispatch/lease.py Lease.prefilled).
         self.backlog = 0
         # The share of the prompt tokens it was sent lately that it did not find cached,
         # from its own counters (`note_cache`); 0 while unknown.

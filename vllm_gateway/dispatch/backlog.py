@@ -43,12 +43,7 @@ def uncached(
             # counted uncached on the worker that has it.
             held = size - BLOCK_BYTES
     elif preamble and index.holds(preamble, worker):
-        # The preamble's end, or a shared start's: its name carries its end in blocks.
-        held = (
-            blocks.preamble_end
-            if preamble == blocks.preamble
-            else blocks.held_bytes(blocks.blocks.index(preamble) + 1)
-        )
+        held = blocks.shared_end(preamble)
     else:
         held = 0
     return max(size - held, int(worker.miss * size))

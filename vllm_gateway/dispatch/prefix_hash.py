@@ -98,6 +98,11 @@ class PrefixBlocks:
         self.key_end = key_end  # where the key ends in them
         self.preamble_end = preamble_end  # where the preamble ends (0: no preamble)
 
+    def shared_end(self, name: int) -> int:
+        """Where the preamble, or a shared start named inside the key (its name carries
+        its end, in blocks), ends in the prompt."""
+        return self.preamble_end if name == self.preamble else (name >> _TAG) * BLOCK_BYTES
+
     def held_bytes(self, depth: int) -> int:
         """Bytes of the prompt that `blocks[:depth]` stand for (a worker holding entry
         `depth - 1` holds that much of it)."""

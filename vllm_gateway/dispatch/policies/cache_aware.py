@@ -62,7 +62,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.backlog import congested as congested_of
 from vllm_gateway.dispatch.backlog import uncached, worth_checking
-from vllm_gateway.dispatch.policies.load_view import LoadView as _View
+from vllm_gateway.dispatch.policies.load_view import LoadView
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
 from vllm_gateway.dispatch.preamble_plan import Shares, wanted
 from vllm_gateway.dispatch.prefix_hash import PrefixBlocks
@@ -119,7 +119,6 @@ class CacheAware:
 
     def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
         blocks = info.prefix_blocks()
-        info.prefill = 0
         self._holders, self._depth = [], 0
         if blocks is None or not candidates:
             return self._fallback.select(candidates, info)
@@ -146,8 +145,8 @@ class CacheAware:
 
     def _uncached(self, worker: Worker, blocks: PrefixBlocks, preamble: int) -> int:
         """Prompt bytes `worker` probably lacks (backlog.py), by this request's holders."""
-        held = self._holders if worker in self._holders else ()
-        return uncached(worker, blocks, preamble, self._depth if held else 0, self.index)
+        depth = self._depth if worker in self._holders else 0
+        return uncached(worker, blocks, preamble, depth, self.index)
 
     def preferred(
         self, gated: Sequence[Worker], candidates: Sequence[Worker], info: RequestInfo
@@ -228,7 +227,7 @@ class CacheAware:
         shares: Shares,
         info: RequestInfo,
     ) -> Worker | None:
-        view = _View.of(candidates)
+        view = LoadView.of(candidates)
         if view is None:  # all of weight 0 (or nonsense): by load alone
             return self._fallback.select(candidates, info)
         holders, depth = self.index.deepest(blocks.blocks, candidates)
@@ -267,7 +266,7 @@ class CacheAware:
 
     def _preamble_home(
         self,
-        view: _View,
+        view: LoadView,
         key: int,
         preamble: int,
         share: float,
@@ -320,14 +319,14 @@ class CacheAware:
         self,
         key: int,
         among: Iterable[int],
-        view: _View,
+        view: LoadView,
         extra: float | tuple[float, float, int],
         sticky: bool = False,
     ) -> Worker | None:
         """Of the candidates at indexes `among`, the first in the key's rendezvous order
-        within its load limit (`_View.fits`; `extra`: a number, or (extra, for holders of
+        within its load limit (`LoadView.fits`; `extra`: a number, or (extra, for holders of
         the preamble, the preamble)). `sticky`: a candidate with a batch slot free
-        (`_View.has_room`) needs nothing more."""
+        (`LoadView.has_room`) needs nothing more."""
         best: Worker | None = None
         best_rank = math.inf
         seeds = self._seeds
@@ -349,7 +348,7 @@ class CacheAware:
                 best, best_rank = w, rank
         return best
 
-    def _leave_congested(self, view: _View, blocks: PrefixBlocks, preamble: int) -> None:
+    def _leave_congested(self, view: LoadView, blocks: PrefixBlocks, preamble: int) -> None:
         """Mark the candidates a later turn should leave for their prefill backlog
         (backlog.py). Only a later turn of a chat: its history, once moved, moves with it
         (its next turns follow it there); a first turn sent away from the workers of a
@@ -362,9 +361,9 @@ class CacheAware:
                 candidates, speeds, size, lambda j: self._uncached(candidates[j], blocks, preamble)
             )
 
-    def _holder_with_room(self, key: int, among: list[int], view: _View) -> Worker | None:
+    def _holder_with_room(self, key: int, among: list[int], view: LoadView) -> Worker | None:
         """A later turn whose holders are all past the history bound: the least loaded
-        (per unit of speed) of those with a batch slot free (`_View.has_room`), ties in the
+        (per unit of speed) of those with a batch slot free (`LoadView.has_room`), ties in the
         key's rendezvous order; there the turn prefills only what it adds, where anywhere
         else it would prefill its whole history again. None when none has room."""
         best: Worker | None = None
