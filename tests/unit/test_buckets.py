@@ -312,3 +312,43 @@ def test_a_worker_whose_gauge_does_not_count_the_requests_is_ramped_by_what_it_w
         report(registry, w, running=0, waiting=0)
         limits.append(b.describe(w)["capacity"])
     assert limits == [16, 32, 64, 128]
+
+
+def test_a_preferred_request_stretches_a_guessed_limit_up_to_twice_the_level():
+    """`stretch`: past the probing limit by one request at a time, for a request the policy
+    would rather send there, up to twice the level (the next slow-start level); a scrape
+    showing the worker running past the level then doubles it. Never for a configured or
+    learned capacity, a worker reporting a queue, or one never scraped."""
+    registry, w, b = setup()
+    assert not b.stretch(w)  # never scraped: the gate is open anyway
+    report(registry, w, running=0, waiting=0)
+    send(w, b, int(PROBE_START))
+    assert not b.has_token(w)
+    for n in range(int(PROBE_START)):  # one more each time, to twice the level
+        assert b.stretch(w) and b.has_token(w)
+        send(w, b)
+        assert b.capacity_of(w) == PROBE_START + n + 1
+    assert not b.stretch(w) and not b.has_token(w)
+    report(registry, w, running=PROBE_START + 1, waiting=0)  # it ran past the level
+    assert b.capacity_of(w) == 2 * PROBE_START  # the next level (and nothing waited)
+    report(registry, w, running=2 * PROBE_START, waiting=2)  # a queue: learned
+    assert b.capacity_of(w) == 2 * PROBE_START and not b.stretch(w)
+
+
+def test_a_queue_or_a_configured_capacity_is_never_stretched():
+    registry, w, b = setup()
+    report(registry, w, running=PROBE_START, waiting=1)  # a queue: capacity learned
+    assert not b.stretch(w)
+    registry2, w2, b2 = setup()
+    report(registry2, w2, running=0, waiting=0)
+    w2.max_num_seqs = 4
+    send(w2, b2, 4)
+    assert not b2.stretch(w2) and not b2.has_token(w2)
+    # A stretch that ends in a queue goes back to the level, as a probe does.
+    registry3, w3, b3 = setup()
+    report(registry3, w3, running=0, waiting=0)
+    send(w3, b3, int(PROBE_START))
+    assert b3.stretch(w3)
+    send(w3, b3)
+    report(registry3, w3, running=PROBE_START - 1, waiting=2)
+    assert b3.capacity_of(w3) == PROBE_START - 1 and not b3.stretch(w3)

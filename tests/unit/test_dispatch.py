@@ -39,8 +39,10 @@ def full(registry, worker, running: float = 1, waiting: float = 1) -> None:
     registry.set_stats(worker, EngineStats(running, waiting, None, 0.0))
 
 
-def room(registry, worker, running: float = 0) -> None:
-    registry.set_stats(worker, EngineStats(running, 0, None, 0.0), sent=worker.sent_since_scrape)
+def room(registry, worker, running: float = 0, waiting: float = 0) -> None:
+    registry.set_stats(
+        worker, EngineStats(running, waiting, None, 0.0), sent=worker.sent_since_scrape
+    )
 
 
 async def hold(d, i, order, release: asyncio.Event, **kw):
@@ -259,9 +261,10 @@ def chat_info(*turns: str):
 
 
 async def test_going_elsewhere_probes_only_a_worker_the_policy_would_rather_have():
-    """Gated at its probing limit, a worker's capacity is probed upward when a request
-    that would rather have had it (its history is there) goes elsewhere; not when going
-    elsewhere cost nothing (a probe past a true capacity queues inside the worker)."""
+    """Gated at its probing limit, a worker's capacity is probed upward by a request that
+    would rather have it (its history is there): the request itself goes there, past the
+    guessed limit, up to twice the level; not when going elsewhere costs nothing (a probe
+    past a true capacity queues inside the worker), and not past a learned capacity."""
     registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
     for w in ws:
         room(registry, w)  # scraped, no queue: the gate's probing limit, 8
@@ -273,9 +276,18 @@ async def test_going_elsewhere_probes_only_a_worker_the_policy_would_rather_have
         async with d.lease(doc) as lease:
             assert lease.worker is other
         assert not d.buckets.bucket(home).demand  # nothing lost there: no probe
-    async with d.lease(chat_info("the first question", "an answer", "next")) as lease:
-        assert lease.worker is other  # its history's holder is gated: it goes elsewhere...
-    assert d.buckets.bucket(home).demand  # ...and asks for the holder's capacity
+    later = chat_info("the first question", "an answer", "next")
+    async with d.lease(later) as lease:
+        assert lease.worker is home  # its history's holder, gated by a guess: the probe
+    assert d.buckets.bucket(home).demand  # ...and the next scrape may raise the level
+    assert d.buckets.capacity_of(home) == 9.0
+    home.inflight = 16  # twice the level in flight: no more without a scrape's evidence
+    async with d.lease(later) as lease:
+        assert lease.worker is other
+    home.inflight = 8
+    room(registry, home, running=8, waiting=1)  # a queue: its capacity is learned, 8
+    async with d.lease(later) as lease:
+        assert lease.worker is other  # a learned capacity is not stretched
 
 
 async def test_a_policy_without_preferences_probes_every_gated_worker_it_went_past():

@@ -212,6 +212,30 @@ class Buckets:
         if b is not None:
             b.tokens = min(b.limit, b.tokens + 1.0)
 
+    def stretch(self, worker: Worker) -> bool:
+        """Let one more request through to `worker`, held back only by its probing limit
+        (capacity neither configured nor learned, and its last scrape showed no queue),
+        for a request the policy would rather send there than elsewhere (a holder of its
+        history or preamble): it opens a probe past the level, up to twice the level (the
+        next slow-start level). Otherwise such a request moves and prefills again what the
+        worker holds, while the level waits for a scrape that catches the worker running
+        all of a one-request probe. True when the gate now lets it through."""
+        stats = worker.stats
+        if worker.max_num_seqs or stats is None or stats.waiting > 0:
+            return False
+        b = self.by_worker.get(worker)
+        if b is None or b.capacity is not None:
+            return False
+        level = b.probe_limit if b.base is None else b.base
+        wanted = (worker.inflight + 1) / self.share
+        if wanted > min(PROBE_MAX, 2.0 * level):
+            return False
+        if wanted > b.probe_limit:
+            b.base = level  # a probe from the level: a scrape past it doubles it
+            b.probe_limit = wanted
+            worker.capacity = wanted
+        return True
+
     def on_stats(self, worker: Worker) -> None:
         """Re-fill from a new scrape (see the module docstring)."""
         stats = worker.stats

@@ -265,6 +265,14 @@ class Dispatcher:
                 self.buckets.note_demand(liked, not candidates)
                 if not candidates:
                     return None
+                # What the policy would rather have, held back only by a guessed limit:
+                # this request is the probe (buckets.py `stretch`), not sent elsewhere to
+                # prefill again what the worker holds.
+                if liked and hasattr(policy, "preferred"):
+                    stretch = self.buckets.stretch
+                    more = [w for w in liked if stretch(w)]
+                    if more:
+                        candidates = [w for w in available if w in more or has_token(w)]
         else:
             candidates = available
         info.prefill = 0  # set by a policy that knows (a retry may meet another policy)
