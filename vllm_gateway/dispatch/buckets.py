@@ -46,6 +46,10 @@ capacity is the level itself (batch sizes are usually powers of two, as the leve
 holds that much in its queue (per gateway process), not a level's worth, and a burst that
 finds every worker full does not pour the admission queue into the workers' queues.
 
+A request the policy would rather send to a worker held back only by its probing limit
+(3) goes there itself, as the probe (`stretch`), one request at a time up to twice the
+level, rather than elsewhere to prefill again what that worker holds.
+
 Probing (2 and 3) happens only while it is needed: when a request found no room on the
 worker since the last scrape (`note_demand`) and waited; for the probing limit (3), also
 when it went to another worker instead and the policy would rather have had this one
