@@ -314,41 +314,79 @@ def test_a_worker_whose_gauge_does_not_count_the_requests_is_ramped_by_what_it_w
     assert limits == [16, 32, 64, 128]
 
 
+def stretch(w: Worker, b: Buckets) -> None:
+    """What _pick does for a request chosen past its probing limit: stretch, then send."""
+    assert b.can_stretch(w) and not b.has_token(w)
+    b.stretch(w)
+    send(w, b)
+
+
 def test_a_preferred_request_stretches_a_guessed_limit_up_to_twice_the_level():
     """`stretch`: past the probing limit by one request at a time, for a request the policy
     would rather send there, up to twice the level (the next slow-start level); a scrape
     showing the worker running past the level then doubles it. Never for a configured or
     learned capacity, a worker reporting a queue, or one never scraped."""
     registry, w, b = setup()
-    assert not b.stretch(w)  # never scraped: the gate is open anyway
+    assert not b.can_stretch(w)  # never scraped: the gate is open anyway
     report(registry, w, running=0, waiting=0)
     send(w, b, int(PROBE_START))
-    assert not b.has_token(w)
     for n in range(int(PROBE_START)):  # one more each time, to twice the level
-        assert b.stretch(w) and b.has_token(w)
-        send(w, b)
+        stretch(w, b)
         assert b.capacity_of(w) == PROBE_START + n + 1
-    assert not b.stretch(w) and not b.has_token(w)
+    assert not b.can_stretch(w) and not b.has_token(w)
     report(registry, w, running=PROBE_START + 1, waiting=0)  # it ran past the level
     assert b.capacity_of(w) == 2 * PROBE_START  # the next level (and nothing waited)
     report(registry, w, running=2 * PROBE_START, waiting=2)  # a queue: learned
-    assert b.capacity_of(w) == 2 * PROBE_START and not b.stretch(w)
+    assert b.capacity_of(w) == 2 * PROBE_START and not b.can_stretch(w)
+    finish(w, b, 2 * int(PROBE_START) - 1)
+    report(registry, w, running=1, waiting=0)  # learned, and no queue now: not stretched
+    send(w, b, 2 * int(PROBE_START) - 1)
+    assert not b.has_token(w) and not b.can_stretch(w)
+
+
+def test_a_stretch_without_evidence_falls_back_to_the_usual_probe():
+    """A scrape that does not show the worker running past the level brings a stretched
+    limit back to the level plus one probe: it was for the requests that wanted it."""
+    registry, w, b = setup()
+    report(registry, w, running=0, waiting=0)
+    send(w, b, int(PROBE_START))
+    for _ in range(4):
+        stretch(w, b)
+    assert b.capacity_of(w) == PROBE_START + 4
+    finish(w, b, 6)
+    report(registry, w, running=PROBE_START - 2, waiting=0)
+    assert b.capacity_of(w) == PROBE_START + 1
+
+
+def test_each_process_stretches_its_share():
+    """With `serve --processes 2` each process lets one more of its own through at a time,
+    to its half of twice the level."""
+    registry = WorkerRegistry()
+    w, _ = registry.add("http://w", models=("m",))
+    registry.set_state(w, WorkerState.READY, "test")
+    b = Buckets(DispatchConfig(), share=0.5)
+    registry.stats_listeners.append(b.on_stats)
+    report(registry, w, running=0, waiting=0)
+    send(w, b, int(PROBE_START / 2))
+    for n in range(int(PROBE_START / 2)):
+        stretch(w, b)
+        assert w.inflight == PROBE_START / 2 + n + 1
+    assert not b.can_stretch(w) and w.inflight == PROBE_START
 
 
 def test_a_queue_or_a_configured_capacity_is_never_stretched():
     registry, w, b = setup()
     report(registry, w, running=PROBE_START, waiting=1)  # a queue: capacity learned
-    assert not b.stretch(w)
+    assert not b.can_stretch(w)
     registry2, w2, b2 = setup()
     report(registry2, w2, running=0, waiting=0)
     w2.max_num_seqs = 4
     send(w2, b2, 4)
-    assert not b2.stretch(w2) and not b2.has_token(w2)
+    assert not b2.can_stretch(w2) and not b2.has_token(w2)
     # A stretch that ends in a queue goes back to the level, as a probe does.
     registry3, w3, b3 = setup()
     report(registry3, w3, running=0, waiting=0)
     send(w3, b3, int(PROBE_START))
-    assert b3.stretch(w3)
-    send(w3, b3)
+    stretch(w3, b3)
     report(registry3, w3, running=PROBE_START - 1, waiting=2)
-    assert b3.capacity_of(w3) == PROBE_START - 1 and not b3.stretch(w3)
+    assert b3.capacity_of(w3) == PROBE_START - 1 and not b3.can_stretch(w3)

@@ -881,3 +881,14 @@ def test_a_history_longer_than_the_names_is_counted_held_on_its_holder():
     blocks = again.prefix_blocks()
     assert blocks is not None and blocks.size > 48 * BLOCK_BYTES
     assert again.prefill <= BLOCK_BYTES
+
+
+def test_only_a_later_turn_stretches_a_guessed_limit():
+    """`stretches`: a later turn goes past its history holder's probing limit as the probe
+    (its history elsewhere is prefilled again whole); a first turn, a document's question,
+    or a prompt without text (token ids) does not."""
+    p = policy()
+    assert p.stretches(info(chat("hello", "hi there", "and then?")))
+    assert not p.stretches(info(chat("hello")))
+    assert not p.stretches(info(question(1, 2)))
+    assert not p.stretches(info({"model": "m", "prompt": [1, 2, 3]}))

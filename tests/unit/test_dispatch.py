@@ -290,6 +290,33 @@ async def test_going_elsewhere_probes_only_a_worker_the_policy_would_rather_have
         assert lease.worker is other  # a learned capacity is not stretched
 
 
+async def test_a_worker_stretchable_but_not_chosen_keeps_its_limit():
+    """A preferred worker the policy could have had past its limit, but did not choose
+    (its own load bound, say), keeps its probing limit: only a request sent there raises it."""
+
+    class Elsewhere:
+        name = "elsewhere"
+        load_aware = True
+
+        def select(self, candidates, info):
+            return next(w for w in candidates if w is not ws[0])
+
+        def preferred(self, gated, candidates, info):
+            return list(gated)
+
+        def stretches(self, info):
+            return True
+
+    registry, ws, d = fleet("queue", (WorkerState.READY, WorkerState.READY))
+    d.policy = Elsewhere()
+    for w in ws:
+        room(registry, w)
+    ws[0].inflight = 8  # at its probing limit
+    async with d.lease(info()) as lease:
+        assert lease.worker is ws[1]
+    assert d.buckets.capacity_of(ws[0]) == 8.0 and not d.buckets.has_token(ws[0])
+
+
 async def test_a_policy_without_preferences_probes_every_gated_worker_it_went_past():
     """queue has no `preferred`: a gated worker it went past may be the one it would have
     chosen (the faster), so its probing limit grows as before."""

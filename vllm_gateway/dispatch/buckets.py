@@ -47,8 +47,9 @@ holds that much in its queue (per gateway process), not a level's worth, and a b
 finds every worker full does not pour the admission queue into the workers' queues.
 
 A request the policy would rather send to a worker held back only by its probing limit
-(3) goes there itself, as the probe (`stretch`), one request at a time up to twice the
-level, rather than elsewhere to prefill again what that worker holds.
+(3), and says it should (cache_aware: a later turn, to its history's holder), goes there
+itself, as the probe (`stretch`), one request at a time up to twice the level, rather
+than elsewhere to prefill again what that worker holds.
 
 Probing (2 and 3) happens only while it is needed: when a request found no room on the
 worker since the last scrape (`note_demand`) and waited; for the probing limit (3), also
@@ -216,14 +217,17 @@ class Buckets:
         if b is not None:
             b.tokens = min(b.limit, b.tokens + 1.0)
 
-    def stretch(self, worker: Worker) -> bool:
-        """Let one more request through to `worker`, held back only by its probing limit
-        (capacity neither configured nor learned, and its last scrape showed no queue),
-        for a request the policy would rather send there than elsewhere (a holder of its
-        history or preamble): it opens a probe past the level, up to twice the level (the
-        next slow-start level). Otherwise such a request moves and prefills again what the
-        worker holds, while the level waits for a scrape that catches the worker running
-        all of a one-request probe. True when the gate now lets it through."""
+    def can_stretch(self, worker: Worker) -> bool:
+        """Whether `worker` is held back only by its probing limit (capacity neither
+        configured nor learned, and its last scrape showed no queue) and one more request
+        in flight stays within twice the level (the next slow-start level): then a request
+        the policy would rather send there, and says so (`Policy.stretches`), may go
+        there as the probe (`stretch`) rather than elsewhere to prefill again what the
+        worker holds. Twice the level, so that a scrape soon catches the worker running
+        past the level (a one-request probe at a level its traffic hovers at is seldom
+        caught); if the level was its true capacity, those requests wait in its queue, as
+        they would have waited behind their history's prefill elsewhere, and the scrape
+        that shows the queue teaches the capacity. Pure."""
         stats = worker.stats
         if worker.max_num_seqs or stats is None or stats.waiting > 0:
             return False
@@ -231,14 +235,20 @@ class Buckets:
         if b is None or b.capacity is not None:
             return False
         level = b.probe_limit if b.base is None else b.base
+        return (worker.inflight + 1) / self.share <= min(PROBE_MAX, 2.0 * level)
+
+    def stretch(self, worker: Worker) -> None:
+        """`worker` (`can_stretch`) was chosen past its probing limit: raise the limit to
+        let this request through, a probe from the level (a scrape that shows the worker
+        running past the level doubles it; one that does not brings the limit back to the
+        level's usual probe)."""
+        b = self.bucket(worker)
         wanted = (worker.inflight + 1) / self.share
-        if wanted > min(PROBE_MAX, 2.0 * level):
-            return False
         if wanted > b.probe_limit:
-            b.base = level  # a probe from the level: a scrape past it doubles it
+            if b.base is None:
+                b.base = b.probe_limit
             b.probe_limit = wanted
             worker.capacity = wanted
-        return True
 
     def on_stats(self, worker: Worker) -> None:
         """Re-fill from a new scrape (see the module docstring)."""
@@ -324,6 +334,8 @@ class Buckets:
                     self._probe(b, level)
                 else:
                     b.probe_limit, b.base = level, None
+            else:  # no evidence: a stretched limit (`stretch`) back to the usual probe
+                b.probe_limit = min(b.probe_limit, b.base + _step(b.base))
             return
         # It ran all the gate let through (now, or when a request found it full), with no
         # queue, and requests waited or went elsewhere: probe past the level.
@@ -334,7 +346,7 @@ class Buckets:
     def _probe(b: TokenBucket, level: float) -> None:
         """Let `PROBE_STEP` of `level` (at least one request) through past it."""
         b.base = level
-        b.probe_limit = min(PROBE_MAX, level + max(1.0, math.floor(level * PROBE_STEP)))
+        b.probe_limit = min(PROBE_MAX, level + _step(level))
 
     @staticmethod
     def _queued(b: TokenBucket, running: float, at: float) -> None:
@@ -393,3 +405,8 @@ class Buckets:
         """Drop the buckets of workers no longer in the registry."""
         for w in [w for w in self.by_worker if w not in present]:
             del self.by_worker[w]
+
+
+def _step(level: float) -> float:
+    """A probe past `level`: `PROBE_STEP` of it, at least one request."""
+    return max(1.0, math.floor(level * PROBE_STEP))

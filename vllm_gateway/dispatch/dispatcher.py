@@ -254,6 +254,7 @@ class Dispatcher:
         self, info: RequestInfo, exclude: Sequence[Worker], available: list[Worker]
     ) -> Lease | None:
         policy = self.policy_for_model.get(info.model, self.policy)
+        more: list[Worker] = []  # held back only by a guessed limit, this request may go
         if policy.load_aware:
             has_token = self.buckets.has_token
             candidates = [w for w in available if has_token(w)]
@@ -267,10 +268,11 @@ class Dispatcher:
                     return None
                 # What the policy would rather have, held back only by a guessed limit:
                 # this request is the probe (buckets.py `stretch`), not sent elsewhere to
-                # prefill again what the worker holds.
-                if liked and hasattr(policy, "preferred"):
-                    stretch = self.buckets.stretch
-                    more = [w for w in liked if stretch(w)]
+                # prefill again what the worker holds (its conversation's history).
+                stretches = getattr(policy, "stretches", None)
+                if liked and stretches is not None and stretches(info):
+                    can = self.buckets.can_stretch
+                    more = [w for w in liked if can(w)]
                     if more:
                         candidates = [w for w in available if w in more or has_token(w)]
         else:
@@ -279,6 +281,8 @@ class Dispatcher:
         worker = policy.select(candidates, info)
         if worker is None:
             return None
+        if more and worker in more:
+            self.buckets.stretch(worker)
         full = self.buckets.take(worker, gated=policy.load_aware)  # before counting it in
         worker.inflight += 1
         _count_model(worker, info.model, 1)

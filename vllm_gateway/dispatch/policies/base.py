@@ -15,7 +15,9 @@ A load-aware policy may also define `preferred(gated, candidates, info) -> list[
 of the workers the gate left out, those the request would rather have had than any
 candidate (cache_aware: holders of its history or its preamble). Only their capacity is
 probed upward when the request goes elsewhere (buckets.py); a policy without the hook
-has every gated worker probed then.
+has every gated worker probed then. And `stretches(info) -> bool`: whether those held back
+only by a guessed limit (the probing limit) take this request themselves, as the probe
+(`Buckets.stretch`), rather than it going elsewhere (cache_aware: for a later turn).
 """
 
 from __future__ import annotations

@@ -181,6 +181,15 @@ class CacheAware:
             return [home] if home in gated else []  # (Worker equality is identity)
         return []
 
+    def stretches(self, info: RequestInfo) -> bool:
+        """Whether a worker `preferred` names, held back only by its probing limit, should
+        take this request as the probe (buckets.py `stretch`): for a later turn, whose
+        history elsewhere is prefilled again whole. Not for a first turn: sent past the
+        limit to its preamble's or document's worker, docqa's hit rate fell (median of 6
+        runs 0.745 to 0.718, TTFT p99 alike; docs/benchmarks.md)."""
+        blocks = info.prefix_blocks()
+        return blocks is not None and blocks.continued
+
     def _shared(self, blocks: PrefixBlocks, counted: Mapping[int, int]) -> int:
         """What this request shares with many: the deepest prefix inside its key that is
         known, if it runs `MIN_PREAMBLE_BYTES` past the preamble (a document quoted in the
