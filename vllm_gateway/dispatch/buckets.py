@@ -47,7 +47,7 @@ holds that much in its queue (per gateway process), not a level's worth, and a b
 finds every worker full does not pour the admission queue into the workers' queues.
 
 A request the policy would rather send to a worker held back only by its probing limit
-(3), and says it should (cache_aware: a later turn, to its history's holder), goes there
+(3), and says it should (cache_aware: a later turn, to the worker it prefers), goes there
 itself, as the probe (`stretch`), one request at a time up to twice the level, rather
 than elsewhere to prefill again what that worker holds.
 
