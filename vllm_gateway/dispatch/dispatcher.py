@@ -65,7 +65,7 @@ from vllm_gateway.dispatch.lease import (
     UNREACHABLE,
     Lease,
 )
-from vllm_gateway.dispatch.policies import Policy, forget_missing, preferred_of
+from vllm_gateway.dispatch.policies import Policy, forget_missing, preferred_of, stretches_of
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.errors import (
     GatewayError,
@@ -269,8 +269,7 @@ class Dispatcher:
                 # What the policy would rather have, held back only by a guessed limit:
                 # this request is the probe (buckets.py `stretch`), not sent elsewhere to
                 # prefill again what the worker holds (its conversation's history).
-                stretches = getattr(policy, "stretches", None)
-                if liked and stretches is not None and stretches(info):
+                if liked and stretches_of(policy, info):
                     can = self.buckets.can_stretch
                     more = [w for w in liked if can(w)]
                     if more:

@@ -69,6 +69,13 @@ def preferred_of(
     return hook(gated, candidates, info) if hook is not None else list(gated)
 
 
+def stretches_of(policy: Policy, info: RequestInfo) -> bool:
+    """Whether the workers `policy` prefers for `info`, held back only by a guessed limit,
+    take it as the probe (its optional `stretches`, base.py); False when it does not say."""
+    hook = getattr(policy, "stretches", None)
+    return bool(hook(info)) if hook is not None else False
+
+
 def make_policy(
     name: str, rng: random.Random | None = None, config: DispatchConfig | None = None
 ) -> Policy:
@@ -85,4 +92,5 @@ __all__ = [
     "make_policy",
     "policy_names",
     "preferred_of",
+    "stretches_of",
 ]
