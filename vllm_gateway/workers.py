@@ -106,6 +106,7 @@ class Worker:
         "max_num_seqs",
         "miss",
         "models",
+        "others",
         "pace",
         "pinned_models",
         "sent_since_scrape",
@@ -151,6 +152,11 @@ class Worker:
         self.sent_since_scrape = 0  # requests sent since `stats` was taken
         self.finished_since_scrape = 0  # requests that ended since `stats` was taken
         self.stats: EngineStats | None = None  # None: never scraped, or the snapshot is stale
+        # Requests other senders had on it at its last scrape (other replicas of the
+        # gateway, sibling processes, clients that go around the gateway): what it reported
+        # running and waiting beyond all that this process may have had there. Never more:
+        # with one gateway, always 0. 0 without a fresh scrape.
+        self.others = 0.0
         # Learned by dispatch from completed requests: 1 / typical request duration, in
         # requests per second per running request. 0 until the first completion.
         self.pace = 0.0
@@ -338,15 +344,27 @@ class WorkerRegistry:
         return True
 
     def set_stats(
-        self, worker: Worker, stats: EngineStats | None, *, sent: int = 0, finished: int = 0
+        self,
+        worker: Worker,
+        stats: EngineStats | None,
+        *,
+        sent: int = 0,
+        finished: int = 0,
+        own: float | None = None,
     ) -> None:
         """Record a scrape, or withdraw a stale one (None).
 
         `sent` and `finished` are the worker's `*_since_scrape` counts when the scrape was
-        taken: those requests are now part of what it reports; later ones are not.
+        taken: those requests are now part of what it reports; later ones are not. `own`:
+        the most of this process's requests the page may count (default: its in-flight
+        count now); what the page counts beyond that is `Worker.others`.
         """
         if stats is not None:
             note_cache(worker, worker.stats, stats)
+            mine = worker.inflight if own is None else own
+            worker.others = max(0.0, stats.running + stats.waiting - mine)
+        else:
+            worker.others = 0.0
         worker.stats = stats
         worker.sent_since_scrape = max(0, worker.sent_since_scrape - sent)
         worker.finished_since_scrape = max(0, worker.finished_since_scrape - finished)

@@ -147,11 +147,18 @@ def test_a_worker_twice_as_fast_earns_twice_the_tokens():
 
 def test_an_unreachable_worker_gets_its_token_back():
     registry, w, b = setup()
+    w.inflight = w.sent_since_scrape = 5
     report(registry, w, running=4, waiting=1)  # capacity 4, one over: -1 token
     assert not b.has_token(w)
-    b.refund(w)
-    b.refund(w)
-    assert b.has_token(w)
+    for _ in range(2):  # two more were sent, and never reached it (as the dispatcher ends them)
+        w.inflight += 1
+        w.sent_since_scrape += 1
+        b.take(w)
+    for _ in range(4):
+        w.inflight -= 1
+        w.finished_since_scrape += 1
+        b.refund(w)
+    assert w.inflight == 3 and b.has_token(w)
 
 
 def test_buckets_of_removed_workers_are_dropped():
@@ -390,3 +397,64 @@ def test_a_queue_or_a_configured_capacity_is_never_stretched():
     stretch(w3, b3)
     report(registry3, w3, running=PROBE_START - 1, waiting=2)
     assert b3.capacity_of(w3) == PROBE_START - 1 and not b3.can_stretch(w3)
+
+
+def test_two_replicas_gate_on_the_workers_whole_load():
+    """Two gateways started separately (each its own registry and buckets) in front of one
+    worker that runs 4 at once: each gates on the worker's load as its scrape reports it
+    (the other's requests included), corrected by its own sends since, so together they
+    fill the worker once, not twice. Configured, learned and guessed capacities alike."""
+    for how in ("configured", "learned", "guessed"):
+        (ra, a, ba), (rb, b, bb) = setup(), setup()
+        for registry, w, buckets in ((ra, a, ba), (rb, b, bb)):
+            if how == "configured":
+                w.max_num_seqs = 4
+                report(registry, w, running=0, waiting=0)
+            elif how == "learned":
+                report(registry, w, running=4, waiting=1)  # capacity 4
+                report(registry, w, running=0, waiting=0)
+            else:
+                report(registry, w, running=0, waiting=0)
+                buckets.by_worker[w].probe_limit = 4.0
+                registry.set_stats(w, w.stats)  # Worker.capacity follows the limit
+        send(a, ba, 3)
+        report(rb, b, running=3, waiting=0)  # b's scrape sees a's three running
+        assert bb.has_token(b), how
+        send(b, bb, 1)
+        assert bb.is_full(b) and not bb.has_token(b), how  # 3 of a's + its own one
+        assert bb.can_stretch(b) == (how == "guessed"), how  # a guess, up to twice the level
+        report(ra, a, running=4, waiting=0)  # a's own three and b's one
+        assert ba.is_full(a) and not ba.has_token(a), how
+        finish(a, ba, 1)  # one of its own finished since: a slot is free
+        assert ba.has_token(a), how
+        # Without a fresh scrape, each has only its own count to go by.
+        ra.set_stats(a, None)
+        assert not ba.is_full(a), how
+
+
+def test_a_replicas_stretch_counts_the_other_replicas_requests():
+    """The stretch goes up to twice the level by the worker's whole load, not by one
+    replica's in-flight count."""
+    ra, a, ba = setup()
+    report(ra, a, running=0, waiting=0)
+    send(a, ba, 2)
+    report(ra, a, running=2 * PROBE_START - 2, waiting=0)  # the other sent the rest
+    for _ in range(2):  # to 15, then 16 by the whole load (its own: 3, then 4)
+        stretch(a, ba)
+    assert a.inflight == 4 and ba.capacity_of(a) == 2 * PROBE_START
+    assert not ba.can_stretch(a)
+
+
+def test_others_are_what_a_scrape_counts_beyond_this_process():
+    """`Worker.others`: what the page reports running and waiting beyond the most of this
+    process's requests it may count (`own`; by default its in-flight count now)."""
+    registry, w, _b = setup()
+    w.inflight = 3
+    registry.set_stats(w, EngineStats(5, 1, None, 0.0), own=4)
+    assert w.others == 2
+    registry.set_stats(w, EngineStats(2, 0, None, 0.0))  # fewer than its own: none
+    assert w.others == 0
+    registry.set_stats(w, EngineStats(4, 1, None, 0.0))
+    assert w.others == 2
+    registry.set_stats(w, None)  # stale: nothing known of others either
+    assert w.others == 0

@@ -588,16 +588,19 @@ def test_a_hot_home_sheds_new_conversations_within_the_bound():
 
 
 @pytest.mark.parametrize(
-    ("capacity", "max_num_seqs", "load", "stays"),
+    ("capacity", "max_num_seqs", "load", "others", "stays"),
     [
-        (16.0, 0, 15, True),  # the gate learned its capacity: one batch slot is free
-        (0.0, 16, 15, True),  # declared in the configuration: the same
-        (16.0, 0, 16, False),  # no slot free: moving beats waiting in its queue
-        (0.0, 0, 15, False),  # no capacity known: the gate is open, the bound is all
+        (16.0, 0, 15, 0, True),  # the gate learned its capacity: one batch slot is free
+        (0.0, 16, 15, 0, True),  # declared in the configuration: the same
+        (16.0, 0, 16, 0, False),  # no slot free: moving beats waiting in its queue
+        (0.0, 0, 15, 0, False),  # no capacity known: the gate is open, the bound is all
+        # Its last scrape reports requests another replica sent: they fill slots too.
+        (16.0, 0, 12, 3, True),
+        (16.0, 0, 12, 4, False),
     ],
 )
 def test_a_later_turn_past_its_bound_stays_while_its_holder_has_a_free_slot(
-    capacity, max_num_seqs, load, stays
+    capacity, max_num_seqs, load, others, stays
 ):
     """Moving a history prefills all of it again elsewhere; where it is, a free batch
     slot takes the turn at once."""
@@ -608,6 +611,8 @@ def test_a_later_turn_past_its_bound_stays_while_its_holder_has_a_free_slot(
     turn = chat("the same first question", "answer", "next")
     home = p.select(ws, info(chat("the same first question")))
     home.inflight = load  # past the history bound: ceil(fair 5.5 + 0.5 x 16) = 14
+    if others:  # its scrape counts them (the load view), beyond all this process has there
+        home.stats, home.others = EngineStats(load + others, 0, None, 0.0), others
     for w in ws:
         if w is not home:
             w.inflight = 2

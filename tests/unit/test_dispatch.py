@@ -112,7 +112,9 @@ async def test_new_requests_do_not_overtake_waiting_ones():
     order, release = [], asyncio.Event()
     first = asyncio.create_task(hold(d, 0, order, release))
     await asyncio.sleep(0.01)
-    d.buckets.by_worker[w].tokens = 1.0  # room for one appeared without an event
+    # Room for one appeared without an event (no scrape told the dispatcher).
+    d.buckets.by_worker[w].tokens = 1.0
+    w.stats, w.others = EngineStats(0, 0, None, 0.0), 0.0
     second = asyncio.create_task(hold(d, 1, order, release))
     await asyncio.sleep(0.01)
     assert [i for i, _ in order] == [0] and d.admission.depth == 1  # the newcomer waits

@@ -181,17 +181,26 @@ class Buckets:
         return b.probe_limit if worker.stats is not None else None
 
     def is_full(self, worker: Worker) -> bool:
-        """The capacity gate: this process's in-flight requests fill its share of the
-        worker's capacity (`Worker.capacity`, kept equal to `capacity_of` by on_stats)."""
+        """The capacity gate: the worker's capacity (`Worker.capacity`, kept equal to
+        `capacity_of` by on_stats) is filled, by this process's in-flight requests (its
+        share of the capacity), or by them and what other senders had on it at its last
+        scrape (`Worker.others`: other replicas of the gateway, sibling processes, clients
+        that go around the gateway). Two replicas gating on their own counts alone would
+        fill a worker twice; with one gateway, `others` is 0."""
         capacity = worker.max_num_seqs or worker.capacity
-        return bool(capacity) and worker.inflight >= max(1.0, capacity * self.share)
+        inflight = worker.inflight
+        return bool(capacity) and (
+            inflight >= max(1.0, capacity * self.share) or inflight + worker.others >= capacity
+        )
 
     def has_token(self, worker: Worker) -> bool:
         """May `worker` be sent a request now? Not when full (the capacity gate); else
         always without a fresh scrape, else when its bucket holds a token."""
         capacity = worker.max_num_seqs or worker.capacity  # is_full, inline: hot path
-        if capacity and worker.inflight >= max(1.0, capacity * self.share):
-            return False
+        if capacity:
+            inflight = worker.inflight
+            if inflight >= max(1.0, capacity * self.share) or inflight + worker.others >= capacity:
+                return False
         if worker.stats is None:
             return True
         b = self.by_worker.get(worker)
@@ -235,7 +244,7 @@ class Buckets:
         if b is None or b.capacity is not None:
             return False
         level = b.probe_limit if b.base is None else b.base
-        return (worker.inflight + 1) / self.share <= min(PROBE_MAX, 2.0 * level)
+        return _given(worker, self.share) + 1.0 <= min(PROBE_MAX, 2.0 * level)
 
     def stretch(self, worker: Worker) -> None:
         """`worker` (`can_stretch`) was chosen past its probing limit: raise the limit to
@@ -243,7 +252,7 @@ class Buckets:
         running past the level doubles it; one that does not brings the limit back to the
         level's usual probe)."""
         b = self.bucket(worker)
-        wanted = (worker.inflight + 1) / self.share
+        wanted = _given(worker, self.share) + 1.0
         if wanted > b.probe_limit:
             if b.base is None:
                 b.base = b.probe_limit
@@ -273,7 +282,7 @@ class Buckets:
             b.demand = True
             b.waited = b.waited or waits
             # What it was given then (in flight now may be less by the next scrape).
-            b.peak = max(b.peak, worker.inflight / self.share)
+            b.peak = max(b.peak, _given(worker, self.share))
 
     def _on_stats(
         self, worker: Worker, b: TokenBucket, running: float, waiting: float, at: float
@@ -313,7 +322,7 @@ class Buckets:
 
     def _slow_start(self, worker: Worker, b: TokenBucket, running: float) -> None:
         """No queue, capacity unknown: grow the probing limit while more is wanted."""
-        given = max(running, worker.inflight / self.share, b.peak)
+        given = max(running, _given(worker, self.share), b.peak)
         wanted = b.demand and given >= b.probe_limit
         if running < worker.inflight / self.share / 2.0:
             # It reports running fewer than half of what this process has in flight to it:
@@ -405,6 +414,15 @@ class Buckets:
         """Drop the buckets of workers no longer in the registry."""
         for w in [w for w in self.by_worker if w not in present]:
             del self.by_worker[w]
+
+
+def _given(worker: Worker, share: float) -> float:
+    """What `worker` holds by the capacity gate's measure (`is_full`): this process's
+    in-flight requests over its share, or them and what others had on it, if more."""
+    inflight = worker.inflight
+    own = inflight / share
+    total = inflight + worker.others
+    return total if total > own else own
 
 
 def _step(level: float) -> float:

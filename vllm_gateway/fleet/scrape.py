@@ -272,6 +272,7 @@ class Scraper:
         # gone from it (not taken off the page again): `sent` is read before the GET,
         # `finished` after it.
         sent = worker.sent_since_scrape
+        inflight = worker.inflight
         timeout = aiohttp.ClientTimeout(total=self.config.timeout)
         url = worker.url + "/metrics"
         self.scrapes += 1
@@ -306,7 +307,10 @@ class Scraper:
             return False  # removed while the scrape was out
         self._last_ok[worker] = now
         finished = worker.finished_since_scrape
-        self.registry.set_stats(worker, stats, sent=sent, finished=finished)
+        # The most of this process's requests the page may count: those in flight when
+        # the GET went out, and all sent while it was out (`Worker.others` is the rest).
+        own = inflight + max(0, worker.sent_since_scrape - sent)
+        self.registry.set_stats(worker, stats, sent=sent, finished=finished, own=own)
         return True
 
     async def _guarded(self, worker: Worker) -> None:

@@ -78,10 +78,11 @@ class LoadView:
 
     def has_room(self, j: int) -> bool:
         """Whether candidate `j` has a batch slot free by the capacity gate's own measure:
-        the gateway's in-flight requests to it below the capacity the gate knows
-        (configured, learned or its probing limit); False while none is known. A candidate
-        on the request path always has (the gate let it through); FastChat's
+        the gateway's in-flight requests to it, and what other senders had on it at its
+        last scrape (`Worker.others`), below the capacity the gate knows (configured,
+        learned or its probing limit); False while none is known. A candidate on the
+        request path always has (the gate let it through); FastChat's
         /get_worker_address may offer full workers too."""
         w = self.candidates[j]
         capacity = w.max_num_seqs or w.capacity
-        return bool(capacity) and w.inflight < capacity
+        return bool(capacity) and w.inflight + w.others < capacity
