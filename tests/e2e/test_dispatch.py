@@ -138,6 +138,29 @@ async def test_when_every_worker_is_full_a_request_waits_for_the_first_freed_slo
     assert "vllm_gateway_dispatch_sent_to_full_total 0" in page
 
 
+async def test_requests_another_sender_runs_fill_the_worker_for_the_gate(
+    fake_worker, gateway, http
+):
+    """A client that goes around the gateway (or another replica of it) holds a slot of
+    a worker that runs 2 at once: the gateway sends it one request, and the next waits in
+    the gateway, not in the worker's own queue, until the other sender's request ends."""
+    (w,) = [await fake_worker(models="m", ttft_ms=5, tpot_ms=30, max_num_seqs=2)]
+    gw = await gateway([WorkerSpec(url=w.url, max_num_seqs=2)], scrape=FAST_SCRAPES)
+    dispatcher = gw.app[DISPATCHER]
+    around = asyncio.create_task(http.post(w.url + "/v1/completions", json=completion(60)))
+    await wait_until(lambda: w_of(gw).others == 1, timeout=3)  # a scrape saw it
+    mine = asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(40)))
+    await wait_until(lambda: w.stats.running == 2, timeout=3)
+    waiting = asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(2)))
+    await wait_until(lambda: dispatcher.admission.depth == 1, timeout=3)
+    assert w.stats.running == 2 and w.stats.waiting == 0
+    for task in (around, mine, waiting):
+        r = await task
+        assert r.status == 200 and b"[DONE]" in await r.read()
+    assert w.stats.max_waiting_seen == 0  # nothing queued inside the worker
+    assert dispatcher.admission.admitted == 1
+
+
 async def test_a_full_queue_answers_429_and_the_gateway_keeps_serving(
     fake_worker, gateway, http, client
 ):

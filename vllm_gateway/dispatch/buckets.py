@@ -19,9 +19,11 @@ admission queue. Tokens come from two sources (docs/dispatch.md has the figure):
 
 In front of the bucket stands the capacity gate: a worker is full, and takes nothing new,
 while this process's in-flight requests to it reach its capacity (its share of it with
-`serve --processes N`). So requests wait in the gateway, where the first slot freed
-anywhere takes the head of the admission queue, and not inside a full worker's queue,
-also before anything was learned. The capacity is, first found first:
+`serve --processes N`), or they and what other senders had on it at its last scrape
+(`Worker.others`: other replicas, sibling processes, clients that go around the gateway)
+do. So requests wait in the gateway, where the first slot freed anywhere takes the head
+of the admission queue, and not inside a full worker's queue, also before anything was
+learned. The capacity is, first found first:
 
 1. the worker's `max_num_seqs` from the configuration, when given;
 2. learned: when a worker reports a waiting queue, the number it has running is as many
