@@ -154,6 +154,9 @@ async def test_requests_another_sender_runs_fill_the_worker_for_the_gate(
     waiting = asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(2)))
     await wait_until(lambda: dispatcher.admission.depth == 1, timeout=3)
     assert w.stats.running == 2 and w.stats.waiting == 0
+    async with http.get(gw.url + "/list_workers") as r:
+        (shown,) = (await r.json())["workers"]
+    assert shown["dispatch"]["others"] == 1  # what the gate counted beside its own
     for task in (around, mine, waiting):
         r = await task
         assert r.status == 200 and b"[DONE]" in await r.read()

@@ -410,6 +410,9 @@ class Buckets:
             # and the share of prompt tokens its own counters say it missed lately.
             "prefill_backlog": worker.backlog,
             "cache_miss": round(worker.miss, 3),
+            # What other senders (replicas, sibling processes, direct clients) had on it at
+            # its last scrape: the capacity gate counts them.
+            "others": round(worker.others, 1),
         }
 
     def forget_missing(self, present: set[Worker]) -> None:
