@@ -154,8 +154,9 @@ class Worker:
         self.stats: EngineStats | None = None  # None: never scraped, or the snapshot is stale
         # Requests other senders had on it at its last scrape (other replicas of the
         # gateway, sibling processes, clients that go around the gateway): what it reported
-        # running and waiting beyond all that this process may have had there. Never more:
-        # with one gateway, always 0. 0 without a fresh scrape.
+        # running and waiting beyond the most of this process's requests it may have
+        # counted (with one gateway alone, 0, but for a request it ended and the worker
+        # had not yet, e.g. an abort). 0 without a fresh scrape.
         self.others = 0.0
         # Learned by dispatch from completed requests: 1 / typical request duration, in
         # requests per second per running request. 0 until the first completion.
