@@ -155,8 +155,10 @@ class Worker:
         # Requests other senders had on it at its last scrape (other replicas of the
         # gateway, sibling processes, clients that go around the gateway): what it reported
         # running and waiting beyond the most of this process's requests it may have
-        # counted (with one gateway alone, 0, but for a request it ended and the worker
-        # had not yet, e.g. an abort). 0 without a fresh scrape.
+        # counted. With one gateway process alone, 0, but for requests the worker counts
+        # more than once (vLLM runs `n` > 1 or a list of prompts as several) or has not
+        # yet seen end (an abort). Counted low while a scrape is out: a request sent then
+        # counts as this process's whether the page saw it or not. 0 without a fresh scrape.
         self.others = 0.0
         # Learned by dispatch from completed requests: 1 / typical request duration, in
         # requests per second per running request. 0 until the first completion.

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.conftest import wait_until
-from vllm_gateway.app import DISPATCHER
+from vllm_gateway.app import DISPATCHER, GATEWAY
 from vllm_gateway.config.gateway import DispatchConfig, ModelConfig, ScrapeConfig, WorkerSpec
 
 pytestmark = pytest.mark.timeout(40)
@@ -151,6 +151,11 @@ async def test_requests_another_sender_runs_fill_the_worker_for_the_gate(
     await wait_until(lambda: w_of(gw).others == 1, timeout=3)  # a scrape saw it
     mine = asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(40)))
     await wait_until(lambda: w.stats.running == 2, timeout=3)
+    # A scrape out while `mine` was sent counts it as the gateway's own whether its page
+    # saw it or not (others counted low, by design); one that starts now sees both.
+    scraper = gw.app[GATEWAY].scraper
+    started = scraper.scrapes
+    await wait_until(lambda: scraper.scrapes >= started + 2 and w_of(gw).others == 1, timeout=3)
     waiting = asyncio.create_task(http.post(gw.url + "/v1/completions", json=completion(2)))
     await wait_until(lambda: dispatcher.admission.depth == 1, timeout=3)
     assert w.stats.running == 2 and w.stats.waiting == 0

@@ -458,3 +458,20 @@ def test_others_are_what_a_scrape_counts_beyond_this_process():
     assert w.others == 2
     registry.set_stats(w, None)  # stale: nothing known of others either
     assert w.others == 0
+
+
+def test_a_frozen_page_never_keeps_a_process_from_sending_one_request():
+    """vLLM updates its gauges only when its engine steps: after every request ended
+    (aborted), its page may keep saying 256 running. Counted as others' requests, they
+    would fill the gate for good, and the idle worker would never step to correct it; a
+    process with nothing in flight may always send one."""
+    registry, w, b = setup()
+    w.max_num_seqs = 256
+    w.inflight = w.sent_since_scrape = 256
+    report(registry, w, running=256, waiting=0)
+    finish(w, b, 256)  # the client left: every lease ended, and the page froze
+    for at in range(3):
+        registry.set_stats(w, EngineStats(256, 0, None, float(at)), own=0)
+    assert w.others == 256 and b.has_token(w) and not b.is_full(w)
+    send(w, b)
+    assert b.is_full(w) and not b.has_token(w)  # one at a time until the page moves

@@ -188,11 +188,15 @@ class Buckets:
         share of the capacity), or by them and what other senders had on it at its last
         scrape (`Worker.others`: other replicas of the gateway, sibling processes, clients
         that go around the gateway). Two replicas gating on their own counts alone would
-        fill a worker twice; with one gateway, `others` is 0."""
+        fill a worker twice; with one gateway process alone, `others` is 0. Either way a
+        process with nothing in flight may send one request: a page whose gauges froze
+        after its requests ended (vLLM updates them only when its engine steps) would
+        otherwise keep the worker idle, and unchanged, for good."""
         capacity = worker.max_num_seqs or worker.capacity
         inflight = worker.inflight
         return bool(capacity) and (
-            inflight >= max(1.0, capacity * self.share) or inflight + worker.others >= capacity
+            inflight >= max(1.0, capacity * self.share)
+            or (inflight > 0 and inflight + worker.others >= capacity)
         )
 
     def has_token(self, worker: Worker) -> bool:
@@ -201,7 +205,9 @@ class Buckets:
         capacity = worker.max_num_seqs or worker.capacity  # is_full, inline: hot path
         if capacity:
             inflight = worker.inflight
-            if inflight >= max(1.0, capacity * self.share) or inflight + worker.others >= capacity:
+            if inflight >= max(1.0, capacity * self.share) or (
+                inflight > 0 and inflight + worker.others >= capacity
+            ):
                 return False
         if worker.stats is None:
             return True

@@ -80,9 +80,11 @@ class LoadView:
         """Whether candidate `j` has a batch slot free by the capacity gate's own measure:
         the gateway's in-flight requests to it, and what other senders had on it at its
         last scrape (`Worker.others`), below the capacity the gate knows (configured,
-        learned or its probing limit); False while none is known. A candidate on the
+        learned or its probing limit), or none in flight (as the gate: `Buckets.is_full`);
+        False while none is known. A candidate on the
         request path always has (the gate let it through); FastChat's
         /get_worker_address may offer full workers too."""
         w = self.candidates[j]
         capacity = w.max_num_seqs or w.capacity
-        return bool(capacity) and w.inflight + w.others < capacity
+        inflight = w.inflight
+        return bool(capacity) and (inflight == 0 or inflight + w.others < capacity)
