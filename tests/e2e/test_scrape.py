@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import wait_until
 from vllm_gateway.config.gateway import ScrapeConfig
+from vllm_gateway.fleet import scrape
 from vllm_gateway.fleet.scrape import MetricNames, Scraper, parse_labels, parse_metrics
 from vllm_gateway.http.server import start_server
 from vllm_gateway.proxy.pool import UpstreamPool
@@ -189,3 +190,21 @@ async def test_a_request_that_ends_while_the_scrape_is_out_is_not_taken_off_twic
         await server.stop()
     assert worker.stats is not None and worker.stats.running == 0
     assert worker.sent_since_scrape - worker.finished_since_scrape == 1
+
+
+def test_parsed_labels_are_remembered_within_bounds():
+    """A page's label texts repeat on every scrape, so their parses are remembered; a
+    page of ever new (or huge) label texts cannot grow what is kept past its bound."""
+    scrape._labels_memo.clear()
+    names = MetricNames(["vllm:num_requests_running"], ["vllm:num_requests_waiting"], [])
+    page = "\n".join(
+        [f'vllm:num_requests_running{{model_name="m",engine="{i}"}} 1' for i in range(3000)]
+        + ['vllm:num_requests_waiting{model_name="m",engine="0} 2']  # malformed: skipped
+        + [f'vllm:num_requests_waiting{{model_name="m",x="{"y" * 2000}"}} 3']  # too long to keep
+    )
+    stats = parse_metrics(page, names, ("m",))
+    assert stats is not None and stats.running == 3000 and stats.waiting == 3
+    assert 0 < len(scrape._labels_memo) <= scrape._LABELS_KEPT
+    assert all(len(text) <= scrape._LABEL_TEXT_KEPT for text in scrape._labels_memo)
+    again = parse_metrics(page, names, ("m",))
+    assert again == stats

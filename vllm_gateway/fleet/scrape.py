@@ -118,6 +118,32 @@ def parse_labels(text: str) -> dict[str, str]:
     return labels
 
 
+# Parsed label texts, by text: a worker's page repeats the same label sets on every scrape
+# (its model, engine and cache configuration), and parsing them was half of a page's
+# parse. Bounded in entries and in the length of a text kept, so a hostile page cannot
+# grow it; cleared when full. Values are shared: callers only read them. Parses run in
+# threads too (pages.parse_off_loop): one get per lookup, so a clear in between is harmless.
+_LABELS_KEPT = 1024
+_LABEL_TEXT_KEPT = 512  # vLLM's longest, cache_config_info's, is about 300
+_labels_memo: dict[str, tuple[dict[str, str] | None]] = {}
+
+
+def _labels_of(text: str) -> dict[str, str] | None:
+    """`parse_labels(text)`, remembered; None for malformed labels."""
+    kept = _labels_memo.get(text)
+    if kept is not None:
+        return kept[0]
+    try:
+        parsed: dict[str, str] | None = parse_labels(text)
+    except ValueError:
+        parsed = None
+    if len(text) <= _LABEL_TEXT_KEPT:
+        if len(_labels_memo) >= _LABELS_KEPT:
+            _labels_memo.clear()
+        _labels_memo[text] = (parsed,)
+    return parsed
+
+
 def page_lines(page: bytes, piece: int = 1 << 16) -> Iterator[str]:
     """The lines of a page, decoded and split `piece` bytes at a time: each C call holds
     the GIL briefly, so a parse in a thread lets the event loop run in between (one
@@ -175,10 +201,10 @@ def _pick(
         values = []
         for labels, value in samples:
             if models and _MODEL_LABEL in labels:
-                try:
-                    model = parse_labels(labels).get(_MODEL_LABEL)
-                except ValueError:
+                parsed = _labels_of(labels)
+                if parsed is None:
                     continue
+                model = parsed.get(_MODEL_LABEL)
                 if model is not None and model not in models:
                     continue
             values.append(value)
@@ -227,8 +253,10 @@ def _cache_tokens(samples: Iterable[tuple[str, float]]) -> float | None:
     """KV cache tokens from vllm:cache_config_info samples (one per engine), or None."""
     total = 0.0
     for labels, _ in samples:
+        parsed = _labels_of(labels)
+        if parsed is None:
+            continue
         try:
-            parsed = parse_labels(labels)
             tokens = float(parsed["num_gpu_blocks"]) * float(parsed["block_size"])
         except (KeyError, ValueError):
             continue
