@@ -197,14 +197,21 @@ def test_parsed_labels_are_remembered_within_bounds():
     page of ever new (or huge) label texts cannot grow what is kept past its bound."""
     scrape._labels_memo.clear()
     names = MetricNames(["vllm:num_requests_running"], ["vllm:num_requests_waiting"], [])
+    # Engines alternate between two models, so a parse remembered for the wrong text
+    # would count the other model's samples.
     page = "\n".join(
-        [f'vllm:num_requests_running{{model_name="m",engine="{i}"}} 1' for i in range(3000)]
+        [
+            f'vllm:num_requests_running{{model_name="{"ab"[i % 2]}",engine="{i % 2000}"}} 1'
+            for i in range(3000)
+        ]
         + ['vllm:num_requests_waiting{model_name="m",engine="0} 2']  # malformed: skipped
         + [f'vllm:num_requests_waiting{{model_name="m",x="{"y" * 2000}"}} 3']  # too long to keep
     )
-    stats = parse_metrics(page, names, ("m",))
-    assert stats is not None and stats.running == 3000 and stats.waiting == 3
+    stats = parse_metrics(page, names, ("a", "m"))
+    assert stats is not None and stats.running == 1500 and stats.waiting == 3
     assert 0 < len(scrape._labels_memo) <= scrape._LABELS_KEPT
     assert all(len(text) <= scrape._LABEL_TEXT_KEPT for text in scrape._labels_memo)
-    again = parse_metrics(page, names, ("m",))
+    again = parse_metrics(page, names, ("a", "m"))
     assert again == stats
+    other = parse_metrics(page, names, ("b",))
+    assert other is not None and other.running == 1500
