@@ -81,9 +81,8 @@ class LoadView:
         the gateway's in-flight requests to it, and what other senders had on it at its
         last scrape (`Worker.others`), below the capacity the gate knows (configured,
         learned or its probing limit), or none in flight (as the gate: `Buckets.is_full`);
-        False while none is known. A candidate on the
-        request path always has (the gate let it through); FastChat's
-        /get_worker_address may offer full workers too."""
+        False while none is known. A candidate on the request path always has (the gate
+        let it through); FastChat's /get_worker_address may offer full workers too."""
         w = self.candidates[j]
         capacity = w.max_num_seqs or w.capacity
         inflight = w.inflight
