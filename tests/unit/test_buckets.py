@@ -6,6 +6,7 @@ import pytest
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.buckets import PROBE_HOLDOFF, PROBE_START, Buckets
+from vllm_gateway.dispatch.still_queue import FROZEN_AFTER
 from vllm_gateway.workers import EngineStats, Worker, WorkerRegistry, WorkerState
 
 
@@ -475,3 +476,26 @@ def test_a_frozen_page_never_keeps_a_process_from_sending_one_request():
     assert w.others == 256 and b.has_token(w) and not b.is_full(w)
     send(w, b)
     assert b.is_full(w) and not b.has_token(w)  # one at a time until the page moves
+
+
+def test_a_queue_frozen_on_the_page_earns_one_token_at_a_time():
+    """After an abort storm vLLM's page may keep showing a queue until its engine steps
+    again: nothing this process finishes there earns a token, so a queue that has not
+    moved for FROZEN_AFTER seconds, with nothing of ours in flight, earns one."""
+    registry, w, b = setup()
+    w.max_num_seqs = 256
+    for at in (0.0, 1.0):
+        report(registry, w, running=250, waiting=6, at=at)
+        assert not b.has_token(w)
+    report(registry, w, running=250, waiting=6, at=FROZEN_AFTER)
+    assert b.has_token(w)
+    send(w, b)
+    report(registry, w, running=250, waiting=6, at=FROZEN_AFTER + 0.25)
+    assert not b.has_token(w)  # one of ours there: it waits for that one
+    finish(w, b)
+    report(registry, w, running=250, waiting=6, at=FROZEN_AFTER + 0.5)
+    assert not b.has_token(w)  # the still period starts over
+    report(registry, w, running=250, waiting=7, at=2 * FROZEN_AFTER + 0.5)
+    assert not b.has_token(w)  # it moved: not frozen
+    report(registry, w, running=250, waiting=7, at=3 * FROZEN_AFTER + 0.5)
+    assert b.has_token(w)

@@ -2,7 +2,7 @@
 
 A token is the right to send one request now; sending takes one. A load-aware policy only
 chooses among workers holding a token; when none holds one, the request waits in the
-admission queue. Tokens come from two sources (docs/dispatch.md has the figure):
+admission queue. Tokens come from three sources (docs/dispatch.md has the figure):
 
 - Each scrape re-fills the bucket from what the worker reports. Once its capacity is
   learned (below), the bucket holds the room it has: capacity minus its reported running
@@ -10,7 +10,9 @@ admission queue. Tokens come from two sources (docs/dispatch.md has the figure):
   `serve --processes N`, each process takes 1/N of that room. Before that, the bucket is
   open (no limit, full speed) while the worker reports an empty waiting queue, and empty
   once it reports one. A worker reporting `stop_waiting` requests waiting gets nothing new
-  until its queue shrinks.
+  until its queue shrinks (or stays still: next).
+- A queue on its page that has not moved for `FROZEN_AFTER` seconds, while this process
+  had nothing in flight there, earns one token (still_queue.py).
 - Each request the worker finishes earns `gain = 1 - waiting / stop_waiting` tokens
   (waiting as last reported): one per finish, a freed batch slot, while its queue is
   empty; fewer as its queue grows, so it drains; none above the threshold. A worker twice
@@ -73,6 +75,8 @@ import time
 from collections.abc import Iterable
 
 from vllm_gateway.config.gateway import DispatchConfig
+from vllm_gateway.dispatch.load import held
+from vllm_gateway.dispatch.still_queue import StillQueue
 from vllm_gateway.workers import Worker
 
 # Weight of each new completion in the running mean of log(duration) behind `Worker.pace`:
@@ -119,6 +123,7 @@ class TokenBucket:
         "probes",
         "queued_at",
         "rate_at",
+        "still",
         "tokens",
         "waited",
         "waiting",
@@ -148,6 +153,7 @@ class TokenBucket:
         self.log_duration: float | None = None  # running mean of log(request seconds)
         self.completion_rate = 0.0  # finished requests per second, decayed
         self.rate_at = 0.0  # time.monotonic() of the last completion_rate update
+        self.still = StillQueue()  # whether its queue stopped moving (still_queue.py)
 
     @property
     def refill_rate(self) -> float:
@@ -252,7 +258,7 @@ class Buckets:
         if b is None or b.capacity is not None:
             return False
         level = b.probe_limit if b.base is None else b.base
-        return _given(worker, self.share) + 1.0 <= min(PROBE_MAX, 2.0 * level)
+        return held(worker, self.share) + 1.0 <= min(PROBE_MAX, 2.0 * level)
 
     def stretch(self, worker: Worker) -> None:
         """`worker` (`can_stretch`) was chosen past its probing limit: raise the limit to
@@ -260,7 +266,7 @@ class Buckets:
         running past the level doubles it; one that does not brings the limit back to the
         level's usual probe)."""
         b = self.bucket(worker)
-        wanted = _given(worker, self.share) + 1.0
+        wanted = held(worker, self.share) + 1.0
         if wanted > b.probe_limit:
             if b.base is None:
                 b.base = b.probe_limit
@@ -290,13 +296,14 @@ class Buckets:
             b.demand = True
             b.waited = b.waited or waits
             # What it was given then (in flight now may be less by the next scrape).
-            b.peak = max(b.peak, _given(worker, self.share))
+            b.peak = max(b.peak, held(worker, self.share))
 
     def _on_stats(
         self, worker: Worker, b: TokenBucket, running: float, waiting: float, at: float
     ) -> None:
         b.waiting = waiting
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
+        frozen = b.still.frozen(running, waiting, worker.inflight, at)
         if waiting > 0:
             self._queued(b, running, at)
         elif b.capacity is None:
@@ -327,10 +334,12 @@ class Buckets:
         else:  # queueing, capacity not known yet: only what finishing requests earn
             b.tokens = min(b.tokens, 0.0)
             b.limit = max(1.0, running)
+        if frozen:
+            b.tokens = max(b.tokens, 1.0)
 
     def _slow_start(self, worker: Worker, b: TokenBucket, running: float) -> None:
         """No queue, capacity unknown: grow the probing limit while more is wanted."""
-        given = max(running, _given(worker, self.share), b.peak)
+        given = max(running, held(worker, self.share), b.peak)
         wanted = b.demand and given >= b.probe_limit
         if running < worker.inflight / self.share / 2.0:
             # It reports running fewer than half of what this process has in flight to it:
@@ -425,15 +434,6 @@ class Buckets:
         """Drop the buckets of workers no longer in the registry."""
         for w in [w for w in self.by_worker if w not in present]:
             del self.by_worker[w]
-
-
-def _given(worker: Worker, share: float) -> float:
-    """What `worker` holds by the capacity gate's measure (`is_full`): this process's
-    in-flight requests over its share, or them and what others had on it, if more."""
-    inflight = worker.inflight
-    own = inflight / share
-    total = inflight + worker.others
-    return total if total > own else own
 
 
 def _step(level: float) -> float:

@@ -7,7 +7,8 @@ count. Never less than the gateway's own in-flight count to that worker (the rep
 predate requests still on their way). Without a fresh report (never scraped, or stale),
 the in-flight count is all there is.
 
-Pure and cheap: policies call it for every candidate of every request.
+Pure and cheap: policies call it for every candidate of every request. `held` is the
+capacity gate's own measure (buckets.py), with what other senders had there.
 """
 
 from __future__ import annotations
@@ -25,3 +26,13 @@ def load(worker: Worker) -> float:
         stats.running + stats.waiting + worker.sent_since_scrape - worker.finished_since_scrape
     )
     return estimate if estimate > inflight else inflight
+
+
+def held(worker: Worker, share: float = 1.0) -> float:
+    """What `worker` holds by the capacity gate's measure (buckets.py `is_full`): this
+    process's in-flight requests over its share (`serve --processes N`: 1/N), or them and
+    what other senders had on it at its last scrape (`Worker.others`), if more."""
+    inflight = worker.inflight
+    own = inflight / share
+    total = inflight + worker.others
+    return total if total > own else own
