@@ -23,6 +23,10 @@
                (20% and 10% under two others), each turn a tool output of heavy-tailed
                length (log-normal, up to 600 tokens) after a short think time: prefill
                load that varies by worker, on a fleet that is not uniform.
+    docchat    3 workers with a prefix cache and a prefill cost; 60 conversations of 5
+               turns, each quoting one of 6 long documents (2000 tokens, Zipf popularity)
+               in its first user message, then asking about it: the shared prefix is most
+               of every prompt and a large part of a worker's KV cache.
 
 Every family's rates come from the capacity its workers compute to (workload.py), so a
 change of worker speed or batch size changes the load with it. Conversations that start
@@ -257,6 +261,52 @@ def agent(sizes: Sizes) -> Family:
     return Family("agent", workers, setup, build)
 
 
+# docchat's shape: conversations about a long document (a contract, a paper, a codebase
+# file) quoted in the first user message, then questions about it: the shared prefix is
+# inside the conversation's key, most of each prompt, and a document takes a large part
+# of a worker's KV cache, so a document copied to one worker too many evicts others.
+CHAT_DOCS, CHAT_DOC_WORDS, CHAT_DOC_ZIPF, CHAT_CONVERSATIONS, CHAT_TURNS = 6, 2000, 0.8, 60, 5
+CHAT_USER_WORDS, CHAT_ANSWER_TOKENS, CHAT_THINK = 24, 32, 0.67
+CHAT_PREFILL_MS_PER_TOKEN = 0.1  # a cold document ~200 ms
+
+
+def docchat(sizes: Sizes) -> Family:
+    rng0 = random.Random(9)
+    docs = [f"Doc {i}:\n" + text(rng0, CHAT_DOC_WORDS, f"D{i}-") for i in range(CHAT_DOCS)]
+    weights = [1 / (i + 1) ** CHAT_DOC_ZIPF for i in range(CHAT_DOCS)]
+    history = CHAT_TURNS * (CHAT_USER_WORDS + CHAT_ANSWER_TOKENS)
+    every = CHAT_DOCS * math.ceil(CHAT_DOC_WORDS / BLOCK_SIZE)
+    every += CHAT_CONVERSATIONS * math.ceil(history / BLOCK_SIZE)
+    count = 3
+    blocks = math.ceil(sizes.cache_share * every / count)
+    workers = (WorkerSpec(20, 20, 16, blocks, CHAT_PREFILL_MS_PER_TOKEN),) * count
+    user, answer = spread(CHAT_USER_WORDS), spread(CHAT_ANSWER_TOKENS)
+    end = sizes.warmup + sizes.duration
+
+    def build(rng: random.Random) -> list[Conversation]:
+        starts = sorted(rng.uniform(0.0, end) for _ in range(CHAT_CONVERSATIONS))
+        out = []
+        for i, start in enumerate(starts):
+            doc = rng.choices(docs, weights)[0]
+            turns = tuple(
+                Turn((doc + "\n\nQ: " if t == 0 else "") + text(rng, user(rng), f"c{i}t{t}-"),
+                     answer(rng), rng.expovariate(1 / CHAT_THINK) if t else 0.0)
+                for t in range(CHAT_TURNS)
+            )  # fmt: skip
+            out.append(Conversation(start, "You are a helpful assistant.", f"doc{i}", turns))
+        return out
+
+    setup = (
+        f"{CHAT_CONVERSATIONS} conversations x {CHAT_TURNS} turns starting over {end:g} s, "
+        f"each quoting one of {CHAT_DOCS} documents of {CHAT_DOC_WORDS} tokens (Zipf "
+        f"{CHAT_DOC_ZIPF:g}) in its first user message, then questions of {CHAT_USER_WORDS} "
+        f"+-50% tokens; answers {CHAT_ANSWER_TOKENS} +-50% tokens, think time exp. mean "
+        f"{CHAT_THINK:g} s; KV cache {blocks} blocks per worker = {sizes.cache_share:g} of "
+        f"all documents' and conversations' {every} / {count}"
+    )
+    return Family("docchat", workers, setup, build)
+
+
 FAMILIES: dict[str, Callable[[Sizes], Family]] = {
     "hetero": hetero,
     "multiturn": multiturn,
@@ -264,4 +314,5 @@ FAMILIES: dict[str, Callable[[Sizes], Family]] = {
     "longtail": longtail,
     "docqa": docqa,
     "agent": agent,
+    "docchat": docchat,
 }

@@ -8,7 +8,17 @@ import pytest
 
 from benchmarks.cache_stats import _SAMPLE, hit_rate
 from benchmarks.dispatch_report import doc_key
-from benchmarks.families import AGENT_SESSIONS, DOCS, FAMILIES, Sizes, agent, docqa, multiturn
+from benchmarks.families import (
+    AGENT_SESSIONS,
+    CHAT_DOCS,
+    DOCS,
+    FAMILIES,
+    Sizes,
+    agent,
+    docchat,
+    docqa,
+    multiturn,
+)
 from benchmarks.workload import WorkerSpec, bursts, poisson
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
 
@@ -63,6 +73,21 @@ def test_docqa_quotes_popular_documents_first_in_the_user_message() -> None:
     assert docs.most_common(1)[0][0] == "Document 0"  # Zipf: the first is the most popular
     assert len({c.turns[0].user for c in requests}) == len(requests)  # each its question
     assert {len(c.system) for c in requests} == {len("You are a helpful assistant.")}
+
+
+def test_docchat_quotes_one_document_first_then_asks_about_it() -> None:
+    from collections import Counter
+
+    family = docchat(SIZES)
+    conversations = family.build(random.Random(0))
+    assert len(conversations) == 60 and {len(c.turns) for c in conversations} == {5}
+    firsts = Counter(c.turns[0].user.split(":", 1)[0] for c in conversations)
+    assert set(firsts) <= {f"Doc {i}" for i in range(CHAT_DOCS)} and len(firsts) > 2
+    assert firsts.most_common(1)[0][0] == "Doc 0"  # Zipf: the first is the most popular
+    assert not any(t.user.startswith("Doc ") for c in conversations for t in c.turns[1:])
+    (blocks,) = {w.num_gpu_blocks for w in family.workers}
+    assert len(family.workers) == 3 and blocks is not None
+    assert blocks < 3 * 2000 // 16  # a worker's cache holds fewer than three documents
 
 
 def test_agent_runs_long_sessions_mostly_under_one_system_prompt_on_a_mixed_fleet() -> None:
