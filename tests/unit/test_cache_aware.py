@@ -568,6 +568,30 @@ def test_a_preambles_overflow_goes_to_its_next_worker_in_every_replica():
         hot += spilled
 
 
+@pytest.mark.parametrize(("answer", "back"), [("a short answer", True), (long("a", 2000), False)])
+def test_a_conversation_that_strayed_from_its_preambles_worker_goes_back_if_shorter(answer, back):
+    """A first turn sent away from its preamble's planned worker (full then) copies the
+    preamble into another worker's cache; its next turn goes back while its history past
+    the preamble is shorter than the preamble (prefilled once where it would have been,
+    rather than the preamble held twice for the conversation's life); a longer one stays
+    with its history. Another replica, which never saw the first turn, sends it home too."""
+    ws = workers(4)
+    systems = [f"system prompt number {s} " * 60 for s in range(4)]
+    one, other = policy(), policy()
+    homes = {s: next(iter(on)) for s, on in preambles_placed(one, ws, systems, 200).items()}
+    preambles_placed(other, ws, systems, 200)
+    home = homes[0]
+    first = chat("a question of my own", system=systems[0])
+    strayed = one.select([w for w in ws if w is not home], info(first))
+    assert strayed is not home
+    later = chat("a question of my own", answer, "and then?", system=systems[0])
+    assert (one.select(ws, info(later)) is home) is back
+    assert other.select(ws, info(later)) is home
+    # Its home past the bound: it stays where its history is.
+    home.inflight = 40
+    assert one.select(ws, info(later)) is strayed
+
+
 def test_a_hot_home_sheds_new_conversations_within_the_bound():
     ws = workers(4)
     p = policy()

@@ -10,9 +10,11 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    (prefix_index.py: the conversation key, then the blocks after it). Of those holding
    the most, the first in the key's rendezvous order within a looser bound
    (`HISTORY_SLACK`); past it on all of them, for a later turn, the least loaded holder
-   with a batch slot free by the gate's measure, in flight below a known capacity (it prefills
-   only what it adds there, and its whole history anywhere else). Only when no holder
-   has room, or none has a known capacity, is the history prefilled again elsewhere.
+   with a batch slot free by the gate's measure (it prefills only what it adds there,
+   its whole history anywhere else). Only when no holder has room, or none has a known
+   capacity, is the history prefilled again elsewhere. But a stray (its history on none
+   of its preamble's planned workers, and shorter than the preamble) goes back to one
+   within its fair share (`_back_home`).
 2. **Otherwise** (a new conversation, or its history is not known here): the first
    worker in the key's rendezvous order whose load stays within the load bound, among
    the workers its preamble needs. The key is the conversation's stable start
@@ -245,6 +247,10 @@ class CacheAware:
             self._leave_congested(view, blocks, preamble)
         held = HISTORY_SLACK * (self._bound - 1.0)
         if depth > blocks.first:  # they hold the key: this conversation's own history
+            if blocks.continued and preamble:
+                best = self._back_home(view, blocks, preamble, share, shares, holders)
+                if best is not None:
+                    return best
             # Few holders (a conversation's history is on one worker or two): a C scan each.
             among = [candidates.index(w) for w in holders]
             best = self._home(blocks.key, among, view, held)
@@ -272,6 +278,34 @@ class CacheAware:
         if congested:
             candidates = [w for j, w in enumerate(candidates) if j not in congested]
         return self._fallback.select(candidates, info)
+
+    def _back_home(
+        self,
+        view: LoadView,
+        blocks: PrefixBlocks,
+        preamble: int,
+        share: float,
+        shares: Shares,
+        holders: list[Worker],
+    ) -> Worker | None:
+        """A later turn whose history strayed from its preamble's planned workers (they
+        were full or past their bound, or unplanned, at its first turn) and is shorter past
+        the preamble than the preamble: back to a planned worker within its fair share.
+        Staying keeps the preamble cached on the stray worker for the conversation's life,
+        taking that much KV cache from the conversations planned there; going back
+        prefills the shorter history once (docs/dispatch.md). None: it stays."""
+        end = blocks.shared_end(preamble)
+        if blocks.size - end >= end:
+            return None
+        candidates = view.candidates
+        planned = shares.plan.among(
+            preamble, share, shares.samples, candidates, shares.counts, self._ranks_for
+        )
+        if planned is None or any(candidates[j] in holders for j in planned):
+            return None
+        # Only to a planned worker within its fair share: past it, the preamble's traffic
+        # needs more workers than planned, and this one strayed to where it overflows.
+        return self._home(blocks.key, planned, view, 0.0)
 
     def _preamble_home(
         self,
