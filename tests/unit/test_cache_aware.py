@@ -583,13 +583,32 @@ def test_a_conversation_that_strayed_from_its_preambles_worker_goes_back_if_shor
     home = homes[0]
     first = chat("a question of my own", system=systems[0])
     strayed = one.select([w for w in ws if w is not home], info(first))
-    assert strayed is not home
     later = chat("a question of my own", answer, "and then?", system=systems[0])
+    # Above its fair share (1 of 2 in flight), though within the new conversations' bound:
+    # the preamble's traffic may need the stray worker; the turn stays with its history.
+    home.inflight = 1
+    assert one.select(ws, info(later)) is strayed
+    home.inflight = 0
     assert (one.select(ws, info(later)) is home) is back
     assert other.select(ws, info(later)) is home
-    # Its home past the bound: it stays where its history is.
-    home.inflight = 40
-    assert one.select(ws, info(later)) is strayed
+
+
+@pytest.mark.parametrize("conversation", range(8))
+def test_a_conversation_back_with_its_preambles_worker_stays_there(conversation):
+    """Back on its planned worker, a conversation's short turns add few blocks: the stray
+    worker holds as much of it for a while, and the turn must stay on the planned one,
+    not follow the key's order back to the stray (each bounce a prefill again)."""
+    ws = workers(4)
+    systems = [f"system prompt number {s} " * 60 for s in range(4)]
+    p = policy()
+    home = next(iter(preambles_placed(p, ws, systems, 200)[0]))
+    turns = [f"conversation {conversation}: a question of my own"]
+    strayed = p.select([w for w in ws if w is not home], info(chat(*turns, system=systems[0])))
+    path = [strayed]
+    for t in range(1, 6):
+        turns += [f"short answer {t} " * 8, f"and then {t}? " * 4]
+        path.append(p.select(ws, info(chat(*turns, system=systems[0]))))
+    assert path[1:] == [home] * 5, [ws.index(w) for w in path]
 
 
 def test_a_hot_home_sheds_new_conversations_within_the_bound():

@@ -288,12 +288,9 @@ class CacheAware:
         shares: Shares,
         holders: list[Worker],
     ) -> Worker | None:
-        """A later turn whose history strayed from its preamble's planned workers (they
-        were full or past their bound, or unplanned, at its first turn) and is shorter past
-        the preamble than the preamble: back to a planned worker within its fair share.
-        Staying keeps the preamble cached on the stray worker for the conversation's life,
-        taking that much KV cache from the conversations planned there; going back
-        prefills the shorter history once (docs/dispatch.md). None: it stays."""
+        """A later turn whose history strayed from its preamble's planned workers, shorter
+        past the preamble than the preamble: back to one within its fair share, rather than
+        the preamble held by the stray for the conversation's life (docs/dispatch.md)."""
         end = blocks.shared_end(preamble)
         if blocks.size - end >= end:
             return None
@@ -301,10 +298,12 @@ class CacheAware:
         planned = shares.plan.among(
             preamble, share, shares.samples, candidates, shares.counts, self._ranks_for
         )
-        if planned is None or any(candidates[j] in holders for j in planned):
+        if planned is None:
             return None
-        # Only to a planned worker within its fair share: past it, the preamble's traffic
-        # needs more workers than planned, and this one strayed to where it overflows.
+        kept = [j for j in planned if candidates[j] in holders]
+        if kept:  # back already, and the stray holds as much: not by the key's order
+            return self._home(blocks.key, kept, view, HISTORY_SLACK * (self._bound - 1.0))
+        # Within its fair share: past it, the preamble needs more workers than planned.
         return self._home(blocks.key, planned, view, 0.0)
 
     def _preamble_home(
