@@ -131,6 +131,11 @@ class PreamblePlan:
         found = [j for j, w in enumerate(candidates) if w.url in urls]
         return found or None
 
+    def urls_of(self, preamble: int) -> frozenset[str] | None:
+        """The URLs planned for `preamble` now (None: not planned); no plan is made."""
+        entry = self._planned.get(preamble)
+        return entry[1] if entry is not None else None
+
     def count(self) -> None:
         """One more request of the model with prompt text, whichever way it is placed."""
         self._seen += 1

@@ -294,17 +294,17 @@ class CacheAware:
         end = blocks.shared_end(preamble)
         if blocks.size - end >= end:
             return None
-        candidates = view.candidates
-        planned = shares.plan.among(
+        candidates, plan = view.candidates, shares.plan
+        urls = plan.urls_of(preamble)  # first the few holders, not a scan of every candidate
+        if urls is not None and any(w.url in urls for w in holders):
+            # Back already, and the stray holds as much: not by the key's order.
+            kept = [candidates.index(w) for w in holders if w.url in urls]
+            return self._home(blocks.key, kept, view, HISTORY_SLACK * (self._bound - 1.0))
+        planned = plan.among(
             preamble, share, shares.samples, candidates, shares.counts, self._ranks_for
         )
-        if planned is None:
-            return None
-        kept = [j for j in planned if candidates[j] in holders]
-        if kept:  # back already, and the stray holds as much: not by the key's order
-            return self._home(blocks.key, kept, view, HISTORY_SLACK * (self._bound - 1.0))
         # Within its fair share: past it, the preamble needs more workers than planned.
-        return self._home(blocks.key, planned, view, 0.0)
+        return None if planned is None else self._home(blocks.key, planned, view, 0.0)
 
     def _preamble_home(
         self,
