@@ -144,6 +144,17 @@ USER_WORDS, ANSWER_TOKENS, THINK_MEAN = 32, 24, 0.5
 PREFILL_MS_PER_TOKEN = 0.5
 
 
+def _turns(rng: random.Random, count: int, user: TokenDraw, answer: TokenDraw, think: float,
+           tag: str, opening: str = "") -> tuple[Turn, ...]:  # fmt: skip
+    """A conversation's `count` turns: user messages of `user` words tagged `tag` (the
+    first after `opening`), answers of `answer` tokens, think time exp. mean `think`."""
+    return tuple(
+        Turn((opening if t == 0 else "") + text(rng, user(rng), f"{tag}t{t}-"), answer(rng),
+             rng.expovariate(1 / think) if t else 0.0)
+        for t in range(count)
+    )  # fmt: skip
+
+
 def _alike(
     sizes: Sizes, every: int, count: int, prefill_ms: float
 ) -> tuple[int, tuple[WorkerSpec, ...]]:
@@ -168,11 +179,7 @@ def multiturn(sizes: Sizes) -> Family:
         starts = sorted(rng.uniform(0.0, end) for _ in range(CONVERSATIONS))
         out = []
         for i, start in enumerate(starts):
-            turns = tuple(
-                Turn(text(rng, user(rng), f"c{i}t{t}-"), answer(rng),
-                     rng.expovariate(1 / THINK_MEAN) if t else 0.0)
-                for t in range(TURNS)
-            )  # fmt: skip
+            turns = _turns(rng, TURNS, user, answer, THINK_MEAN, f"c{i}")
             out.append(Conversation(start, rng.choice(systems), f"conv{i}", turns))
         return out
 
@@ -250,11 +257,7 @@ def agent(sizes: Sizes) -> Family:
         out = []
         for i, start in enumerate(starts):
             system = rng.choices(systems, popularity)[0]
-            steps = tuple(
-                Turn(text(rng, tool(rng), f"a{i}t{t}-"), answer(rng),
-                     rng.expovariate(1 / AGENT_THINK) if t else 0.0)
-                for t in range(turns(rng))
-            )  # fmt: skip
+            steps = _turns(rng, turns(rng), tool, answer, AGENT_THINK, f"a{i}")
             out.append(Conversation(start, system, f"agent{i}", steps))
         return out
 
@@ -294,11 +297,7 @@ def docchat(sizes: Sizes) -> Family:
         out = []
         for i, start in enumerate(starts):
             doc = rng.choices(docs, weights)[0]
-            turns = tuple(
-                Turn((doc + "\n\nQ: " if t == 0 else "") + text(rng, user(rng), f"c{i}t{t}-"),
-                     answer(rng), rng.expovariate(1 / CHAT_THINK) if t else 0.0)
-                for t in range(CHAT_TURNS)
-            )  # fmt: skip
+            turns = _turns(rng, CHAT_TURNS, user, answer, CHAT_THINK, f"c{i}", doc + "\n\nQ: ")
             out.append(Conversation(start, "You are a helpful assistant.", f"doc{i}", turns))
         return out
 
