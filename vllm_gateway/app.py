@@ -54,6 +54,7 @@ from vllm_gateway.log import get_logger
 from vllm_gateway.observe.access_log import AccessLog
 from vllm_gateway.observe.status import StatusViews
 from vllm_gateway.observe.telemetry import ReloadCounters, RequestMetrics
+from vllm_gateway.process.placement_feed import PlacementFeed, share_placements
 from vllm_gateway.process.siblings import Siblings
 from vllm_gateway.proxy.pool import UpstreamPool
 from vllm_gateway.proxy.relay import Relay
@@ -192,6 +193,7 @@ def create_app(
         siblings = Siblings(process_index, process_count, control_dir)
         middlewares.insert(0, siblings.middleware())
         g.status.process, g.status.siblings = process_index, siblings
+        feed = share_placements(g.dispatcher, g.registry, process_index, process_count, control_dir)
     app = web.Application(
         middlewares=middlewares,
         # aiohttp enforces this on bodies without Content-Length; routes check the header.
@@ -210,7 +212,7 @@ def create_app(
     app.add_subapp("/admin/", g.admin.app())
     app.cleanup_ctx.extend(_lifetimes(g, process_index == 0))
     if siblings is not None:
-        app.cleanup_ctx.append(_siblings_ctx(siblings))
+        app.cleanup_ctx.append(_siblings_ctx(siblings, feed))
     return app
 
 
@@ -417,10 +419,12 @@ def _lifetimes(g: Gateway, first_process: bool) -> list[Lifetime]:
     return [upstream_ctx, prober_ctx, scraper_ctx, fleet_ctx]
 
 
-def _siblings_ctx(siblings: Siblings) -> Lifetime:
+def _siblings_ctx(siblings: Siblings, feed: PlacementFeed) -> Lifetime:
     async def siblings_ctx(app: web.Application) -> AsyncIterator[None]:
         await siblings.open()
+        feed.open()
         yield
+        feed.close()
         await siblings.close()
 
     return siblings_ctx

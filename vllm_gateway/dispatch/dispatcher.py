@@ -190,6 +190,9 @@ class Dispatcher:
         self.admission = Admission(config.max_queued, config.max_queue_wait)
         # Called with each finished lease (telemetry, access log); kept cheap.
         self.on_release: list[Callable[[Lease], None]] = []
+        # Called with each placement (policy, request, worker chosen), `serve --processes
+        # N`: the siblings are told (process/placement_feed.py); None: nobody.
+        self.on_placed: Callable[[Policy, RequestInfo, Worker], None] | None = None
         self.retries = 0  # requests tried again on another worker, since start
         # Models whose requests wait in the admission queue when no worker serves them or
         # none is available (the autoscaler starts one: scale from zero), instead of 404/503.
@@ -280,6 +283,8 @@ class Dispatcher:
         worker = policy.select(candidates, info)
         if worker is None:
             return None
+        if self.on_placed is not None:
+            self.on_placed(policy, info, worker)
         if more and worker in more:
             self.buckets.stretch(worker)
         full = self.buckets.take(worker, gated=policy.load_aware)  # before counting it in

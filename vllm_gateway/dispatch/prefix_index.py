@@ -1,6 +1,7 @@
 """Which worker was sent which prompt blocks: the gateway's guess of each worker's prefix cache.
 
     index.record(worker, blocks)       after a request for `blocks` was sent to `worker`
+    index.record_names(worker, p, hs)  the same, told by a sibling process
     index.deepest(blocks, candidates)  the candidates holding the longest prefix of `blocks`
     index.holds(h, worker)             whether `worker` holds hash `h` (e.g. a preamble's)
     index.known(h)                     whether any worker does
@@ -72,14 +73,19 @@ class PrefixIndex:
 
     def record(self, worker: Worker, blocks: PrefixBlocks) -> None:
         """`worker` was sent a prompt with these blocks: it holds them now."""
+        self.record_names(worker, blocks.preamble, blocks.blocks)
+
+    def record_names(self, worker: Worker, preamble: int, hashes: Sequence[int]) -> None:
+        """`worker` was sent a prompt with these block names (`PrefixBlocks.blocks`) and
+        `preamble` (0: none), by this process or, with `serve --processes N`, a sibling
+        (process/placement_feed.py)."""
         sent = self._sent.get(worker)
         if sent is None:
             sent = self._sent[worker] = OrderedDict()
         where = self._where
         touch = sent.move_to_end
-        hashes = blocks.blocks
-        if blocks.preamble:  # its own entry, so a new conversation finds who holds it
-            hashes = [blocks.preamble, *hashes]
+        if preamble:  # its own entry, so a new conversation finds who holds it
+            hashes = [preamble, *hashes]
         for h in hashes:
             if h in sent:
                 touch(h)

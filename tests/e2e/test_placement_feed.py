@@ -1,0 +1,109 @@
+"""`serve --processes N`: each process tells the others where it sent which prompt, so a
+conversation's next turn finds its history whichever process it reaches."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+
+import openai
+import pytest
+
+from tests.conftest import FAST_PROBES, wait_until
+from tests.support.processes import sibling_apps
+from vllm_gateway.app import DISPATCHER, REGISTRY
+from vllm_gateway.config.gateway import GatewayConfig, WorkerSpec
+from vllm_gateway.process.placement_feed import MAX_NAMES, PlacementFeed, feed_path
+from vllm_gateway.workers import WorkerState
+
+pytestmark = pytest.mark.timeout(40)
+
+
+async def test_placements_reach_the_siblings_and_malformed_datagrams_are_dropped():
+    got: list[list[tuple]] = [[], [], []]
+    with tempfile.TemporaryDirectory() as d:
+        feeds = [
+            PlacementFeed(i, 3, d, lambda *p, i=i: got[i].append(p))  # type: ignore[misc]
+            for i in range(3)
+        ]
+        for f in feeds:
+            f.open()
+        try:
+            for n in range(40):  # more than one datagram's worth, in one loop pass
+                feeds[0].publish("m", "http://w1", 7, [n, 2**63 - 1, -(2**63)])
+            await wait_until(lambda: len(got[1]) == len(got[2]) == 40, timeout=5)
+            assert got[0] == []  # not told its own
+            assert got[1][5] == ("m", "http://w1", 7, [5, 2**63 - 1, -(2**63)])
+            assert feeds[0].sent == 40 and feeds[1].received == 40
+            # A stranger's datagrams (never a sibling's): not JSON, wrong shapes, too many
+            # names, a float among them. Each is dropped whole; a good one still applies.
+            bad = [
+                b"\xff not json",
+                b"{}",
+                b'[["m", "u", 0]]',
+                b'[["m", "u", "7", []]]',
+                b'[["m", "u", 0, [1.5]]]',
+                b'[["m", "u", 0, %s]]' % str(list(range(MAX_NAMES + 1))).encode(),
+                b'[["m", "u", 0, [1]], ["m", "u", 0, "x"]]',
+            ]
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                for data in bad:
+                    s.sendto(data, feed_path(d, 1))
+                s.sendto(b'[["m", "http://w2", 0, [1, 2]]]', feed_path(d, 1))
+            await wait_until(lambda: len(got[1]) == 41, timeout=5)
+            assert got[1][-1] == ("m", "http://w2", 0, [1, 2])
+            assert feeds[1].dropped == len(bad)
+        finally:
+            for f in feeds:
+                f.close()
+        # Closed: a publish is a no-op, and a sibling that is away costs a drop, no error.
+        feeds[0].publish("m", "u", 0, [1])
+        assert feeds[0].sent == 40
+
+
+async def test_a_later_turn_at_the_other_process_goes_where_its_history_is(fake_worker):
+    """Two processes of one gateway, two workers. Process 0 cannot use worker A (draining
+    there only, as if its view lagged), so it sends the first turn of each of 10
+    conversations to B. Each second turn reaches process 1, which sent none of them: told
+    by process 0, it sends every one to B, where its history is; not told, its rendezvous
+    order would have sent about half of them to A (all 10 to B by chance: 1 in 1024)."""
+    a, b = await fake_worker(models="m"), await fake_worker(models="m")
+    config = GatewayConfig(
+        host="127.0.0.1",
+        port=0,
+        workers=(WorkerSpec(url=a.url), WorkerSpec(url=b.url)),
+        probe=FAST_PROBES,
+        policy="cache_aware",
+    )
+    async with sibling_apps(config) as servers:
+        apps = [s.app for s in servers]
+        for app in apps:
+            await wait_until(lambda app=app: all(w.available for w in app[REGISTRY]), timeout=5)
+        in0 = apps[0][REGISTRY].get(a.url)
+        assert in0 is not None
+        apps[0][REGISTRY].set_state(in0, WorkerState.DRAINING, "test: process 0 only")
+        clients = [
+            openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+            for s in servers
+        ]
+        try:
+            histories = []
+            for i in range(10):
+                messages = [{"role": "user", "content": f"conversation {i}: " + "word " * 60}]
+                r = await clients[0].chat.completions.create(
+                    model="m", messages=messages, max_tokens=8
+                )
+                messages.append({"role": "assistant", "content": r.choices[0].message.content})
+                messages.append({"role": "user", "content": "and then? " * 20})
+                histories.append(messages)
+            assert len([r for r in a.stats.requests if r.path == "/v1/chat/completions"]) == 0
+            index = apps[1][DISPATCHER].policy.index
+            await wait_until(lambda: index.blocks_of(apps[1][REGISTRY].get(b.url)) >= 10, 5)
+            for messages in histories:
+                await clients[1].chat.completions.create(model="m", messages=messages, max_tokens=8)
+        finally:
+            for c in clients:
+                await c.close()
+    to_a = [r for r in a.stats.requests if r.path == "/v1/chat/completions"]
+    to_b = [r for r in b.stats.requests if r.path == "/v1/chat/completions"]
+    assert (len(to_a), len(to_b)) == (0, 20)
