@@ -30,34 +30,35 @@ async def test_placements_reach_the_siblings_and_malformed_datagrams_are_dropped
             f.open()
         try:
             for n in range(40):  # more than one datagram's worth, in one loop pass
-                feeds[0].publish("m", "http://w1", 7, [n, 2**63 - 1, -(2**63)])
+                feeds[0].publish("m", "http://w1", 5, 7, [n, 2**63 - 1, -(2**63)])
             await wait_until(lambda: len(got[1]) == len(got[2]) == 40, timeout=5)
             assert got[0] == []  # not told its own
-            assert got[1][5] == ("m", "http://w1", 7, [5, 2**63 - 1, -(2**63)])
+            assert got[1][5] == ("m", "http://w1", 5, 7, [5, 2**63 - 1, -(2**63)])
             assert feeds[0].sent == 40 and feeds[1].received == 40
             # A stranger's datagrams (never a sibling's): not JSON, wrong shapes, too many
             # names, a float among them. Each is dropped whole; a good one still applies.
             bad = [
                 b"\xff not json",
                 b"{}",
-                b'[["m", "u", 0]]',
-                b'[["m", "u", "7", []]]',
-                b'[["m", "u", 0, [1.5]]]',
-                b'[["m", "u", 0, %s]]' % str(list(range(MAX_NAMES + 1))).encode(),
-                b'[["m", "u", 0, [1]], ["m", "u", 0, "x"]]',
+                b'[["m", "u", 0, 0]]',
+                b'[["m", "u", 0, "7", []]]',
+                b'[["m", "u", 0, 0, [1.5]]]',
+                b'[["m", "u", 0, 0, %s]]' % str(list(range(MAX_NAMES + 1))).encode(),
+                b'[["m", "u", 0, 0, [1]], ["m", "u", 0, 0, "x"]]',
+                b'[["m", "u", true, 0, [1]]]',
             ]
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
                 for data in bad:
                     s.sendto(data, feed_path(d, 1))
-                s.sendto(b'[["m", "http://w2", 0, [1, 2]]]', feed_path(d, 1))
+                s.sendto(b'[["m", "http://w2", 0, 0, [1, 2]]]', feed_path(d, 1))
             await wait_until(lambda: len(got[1]) == 41, timeout=5)
-            assert got[1][-1] == ("m", "http://w2", 0, [1, 2])
+            assert got[1][-1] == ("m", "http://w2", 0, 0, [1, 2])
             assert feeds[1].dropped == len(bad)
         finally:
             for f in feeds:
                 f.close()
         # Closed: a publish is a no-op, and a sibling that is away costs a drop, no error.
-        feeds[0].publish("m", "u", 0, [1])
+        feeds[0].publish("m", "u", 0, 0, [1])
         assert feeds[0].sent == 40
 
 

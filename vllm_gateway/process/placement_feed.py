@@ -6,9 +6,10 @@ it sent where (dispatch/prefix_index.py), so a turn that reaches the process tha
 send the turn before does not know where its history is, and moves it when that process's
 rendezvous order and loads differ from the other's (docs/benchmarks.md measured 21 history
 re-prefills with two processes against 4 with one, and a TTFT p99 three times one
-process's). Here every placement a process makes (the model, the worker's URL, the
-prompt's preamble and block names) goes to its siblings, which record it in their own
-index as if they had sent it: one index, kept in N copies.
+process's). Here every placement a process makes (the model, the worker's URL, what the
+prompt shares with many as cache_aware counted it, its preamble and block names) goes to
+its siblings, which count and record it as if they had sent it: one index and one count
+of the preambles' shares (so one preamble plan), kept in N copies.
 
 The channel is a unix datagram socket per process, in the run's private directory beside
 the control sockets (siblings.py). Placements are batched: a dispatch appends to an outbox,
@@ -55,7 +56,8 @@ MAX_NAMES = 2 * MAX_BLOCKS + 2
 MAX_OUTBOX = 4096
 _MAX_TEXT = 2048  # longest model name or URL accepted from a sibling
 
-Apply = Callable[[str, str, int, Sequence[int]], None]  # model, url, preamble, names
+# model, worker URL, what it shared with many (as counted), preamble, block names
+Apply = Callable[[str, str, int, int, Sequence[int]], None]
 
 
 def feed_path(control_dir: str, index: int) -> str:
@@ -70,7 +72,7 @@ class PlacementFeed:
         self.path = feed_path(control_dir, index)
         self._peers = [feed_path(control_dir, i) for i in range(count) if i != index]
         self._apply = apply
-        self._outbox: list[tuple[str, str, int, Sequence[int]]] = []
+        self._outbox: list[tuple[str, str, int, int, Sequence[int]]] = []
         self._scheduled = False
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -99,11 +101,14 @@ class PlacementFeed:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
-    def publish(self, model: str, url: str, preamble: int, names: Sequence[int]) -> None:
-        """This process sent a prompt with `names` (and `preamble`) to `url` for `model`."""
+    def publish(
+        self, model: str, url: str, shared: int, preamble: int, names: Sequence[int]
+    ) -> None:
+        """This process sent a prompt for `model` with `names` (and `preamble`; sharing
+        `shared` with many) to `url`."""
         if self._sock is None or len(self._outbox) >= MAX_OUTBOX:
             return
-        self._outbox.append((model, url, preamble, names))
+        self._outbox.append((model, url, shared, preamble, names))
         if not self._scheduled:
             self._scheduled = True
             assert self._loop is not None
@@ -137,12 +142,12 @@ class PlacementFeed:
             if placements is None:
                 self.dropped += 1
                 continue
-            for model, url, preamble, names in placements:
-                self._apply(model, url, preamble, names)
+            for model, url, shared, preamble, names in placements:
+                self._apply(model, url, shared, preamble, names)
             self.received += len(placements)
 
 
-def _parse(data: bytes) -> list[tuple[str, str, int, list[int]]] | None:
+def _parse(data: bytes) -> list[tuple[str, str, int, int, list[int]]] | None:
     """A sibling's datagram as placements; None when anything in it is malformed."""
     try:
         doc = orjson.loads(data)
@@ -152,21 +157,22 @@ def _parse(data: bytes) -> list[tuple[str, str, int, list[int]]] | None:
         return None
     out = []
     for item in doc:
-        if not (isinstance(item, list) and len(item) == 4):
+        if not (isinstance(item, list) and len(item) == 5):
             return None
-        model, url, preamble, names = item
+        model, url, shared, preamble, names = item
         if not (
             isinstance(model, str)
             and isinstance(url, str)
             and len(model) <= _MAX_TEXT
             and len(url) <= _MAX_TEXT
+            and type(shared) is int
             and type(preamble) is int
             and isinstance(names, list)
             and len(names) <= MAX_NAMES
             and all(type(n) is int for n in names)
         ):
             return None
-        out.append((model, url, preamble, names))
+        out.append((model, url, shared, preamble, names))
     return out
 
 
@@ -177,11 +183,11 @@ def share_placements(
     record theirs in the same policy's index here (the worker by its URL: each process has
     its own Worker objects for the same workers)."""
 
-    def apply(model: str, url: str, preamble: int, names: Sequence[int]) -> None:
+    def apply(model: str, url: str, shared: int, preamble: int, names: Sequence[int]) -> None:
         worker = registry.get(url)
         policy = dispatcher.policy_for_model.get(model, dispatcher.policy)
         if worker is not None and isinstance(policy, CacheAware):
-            policy.index.record_names(worker, preamble, names)
+            policy.told(model, worker, shared, preamble, names)
 
     feed = PlacementFeed(index, count, control_dir, apply)
     publish = feed.publish
@@ -190,7 +196,7 @@ def share_placements(
         if isinstance(policy, CacheAware):
             blocks = info.prefix_blocks()  # (computed once, by the policy's select)
             if blocks is not None:
-                publish(info.model, worker.url, blocks.preamble, blocks.blocks)
+                publish(info.model, worker.url, policy.shared, blocks.preamble, blocks.blocks)
 
     dispatcher.on_placed = placed
     return feed

@@ -66,6 +66,7 @@ from vllm_gateway.dispatch.backlog import congested as congested_of
 from vllm_gateway.dispatch.backlog import uncached, worth_checking
 from vllm_gateway.dispatch.policies.load_view import LoadView
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
+from vllm_gateway.dispatch.policies.rendezvous import rendezvous_rank
 from vllm_gateway.dispatch.preamble_plan import Shares, wanted
 from vllm_gateway.dispatch.prefix_hash import PrefixBlocks
 from vllm_gateway.dispatch.prefix_index import PrefixIndex
@@ -79,26 +80,10 @@ from vllm_gateway.workers import Worker
 # identical prompts spreads. A later turn of a conversation stays past it while its holder
 # has a batch slot free (`_holder_with_room`): there the saving is the whole history.
 HISTORY_SLACK = 2.0
-_M64 = (1 << 64) - 1
 # Preambles whose rendezvous ranks are kept (then the cache starts over).
 MAX_PREAMBLES = 4096
 # Models whose preamble shares are kept (then they start over).
 MAX_MODELS = 1024
-
-
-def rendezvous_rank(key: int, worker: Worker, seed: int) -> float:
-    """Lower first: weighted rendezvous (-ln u / weight), `u` in (0, 1) from (key, seed).
-
-    Integer arithmetic (a splitmix64-style finalizer of key ^ seed), the same in every
-    process; Python's hash() of a tuple of ints would be too, but orders workers unevenly.
-    """
-    weight = worker.weight
-    if weight <= 0:
-        return math.inf
-    x = ((key ^ seed) * 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 31)) * 0xBF58476D1CE4E5B9) & _M64
-    u = ((x >> 11) + 0.5) / (1 << 53)
-    return -math.log(u) / weight
 
 
 class CacheAware:
@@ -118,18 +103,15 @@ class CacheAware:
         # The last request's deepest holders among its candidates, and the depth they hold.
         self._holders: list[Worker] = []
         self._depth = 0
+        self.shared = 0  # what the last request shared with many, as counted (`_shared`)
 
     def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
         blocks = info.prefix_blocks()
         self._holders, self._depth = [], 0
         if blocks is None or not candidates:
             return self._fallback.select(candidates, info)
-        shares = self._shares.get(info.model)
-        if shares is None:
-            if len(self._shares) >= MAX_MODELS:
-                self._shares.clear()
-            shares = self._shares[info.model] = Shares(self._bound)
-        preamble = self._shared(blocks, shares.counts)
+        shares = self._shares_of(info.model)
+        self.shared = preamble = self._shared(blocks, shares.counts)
         # Every request with prompt text counts (preamble 0: none), so a preamble's share
         # is of all the model's traffic: what the workers it needs are measured against.
         share = shares.add(preamble)
@@ -144,6 +126,24 @@ class CacheAware:
                 info.prefill = self._uncached(worker, blocks, preamble)
             self.index.record(worker, blocks)
         return worker
+
+    def told(
+        self, model: str, worker: Worker, shared: int, preamble: int, names: Sequence[int]
+    ) -> None:
+        """A sibling process (`serve --processes N`) sent a request for `model` that shared
+        `shared` (as counted), with these `preamble` and block `names`, to `worker`
+        (process/placement_feed.py): count and record it as `select` does its own, so
+        the processes' shares, plans and indexes are alike."""
+        self._shares_of(model).add(shared)
+        self.index.record_names(worker, preamble, names)
+
+    def _shares_of(self, model: str) -> Shares:
+        shares = self._shares.get(model)
+        if shares is None:
+            if len(self._shares) >= MAX_MODELS:
+                self._shares.clear()
+            shares = self._shares[model] = Shares(self._bound)
+        return shares
 
     def _uncached(self, worker: Worker, blocks: PrefixBlocks, preamble: int) -> int:
         """Prompt bytes `worker` probably lacks (backlog.py), by this request's holders."""
