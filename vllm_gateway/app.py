@@ -422,9 +422,9 @@ def _lifetimes(g: Gateway, first_process: bool) -> list[Lifetime]:
 def _siblings_ctx(siblings: Siblings, feed: PlacementFeed) -> Lifetime:
     async def siblings_ctx(app: web.Application) -> AsyncIterator[None]:
         await siblings.open()
-        feed.open()
+        await feed.open()
         yield
-        feed.close()
+        await feed.close()
         await siblings.close()
 
     return siblings_ctx

@@ -218,7 +218,10 @@ class Dispatcher:
         if policy.load_aware:
             with_token = [w for w in candidates if self.buckets.has_token(w)]
             candidates = with_token or candidates
-        return policy.select(candidates, info) if candidates else None
+        worker = policy.select(candidates, info) if candidates else None
+        if worker is not None and self.on_placed is not None:  # (the policy counted it)
+            self.on_placed(policy, info, worker)
+        return worker
 
     async def before_retry(self, lease: Lease, error: UpstreamError) -> None:
         """Count and log a retry of `lease`'s request, then wait out the backoff.

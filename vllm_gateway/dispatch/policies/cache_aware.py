@@ -128,14 +128,15 @@ class CacheAware:
         return worker
 
     def told(
-        self, model: str, worker: Worker, shared: int, preamble: int, names: Sequence[int]
+        self, model: str, worker: Worker | None, shared: int, preamble: int, names: Sequence[int]
     ) -> None:
         """A sibling process (`serve --processes N`) sent a request for `model` that shared
-        `shared` (as counted), with these `preamble` and block `names`, to `worker`
-        (process/placement_feed.py): count and record it as `select` does its own, so
-        the processes' shares, plans and indexes are alike."""
+        `shared` (as counted), with these `preamble` and block `names`, to `worker` (None:
+        not known here yet) (process/placement_feed.py): count and record it as `select`
+        does its own, so the processes' shares, plans and indexes are alike."""
         self._shares_of(model).add(shared)
-        self.index.record_names(worker, preamble, names)
+        if worker is not None:
+            self.index.record_names(worker, preamble, names)
 
     def _shares_of(self, model: str) -> Shares:
         shares = self._shares.get(model)
