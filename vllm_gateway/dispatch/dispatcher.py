@@ -15,9 +15,8 @@ no error path can forget it. The pick (docs/dispatch.md):
    task or timer is made, when a worker has a token. Workers step 2 left out are probed
    when the request waits, or those its policy would rather have had when it does not.
 
-When step 1 leaves none: a model no worker serves is a 404, a known one (its workers are
-all out) a 503 with `Retry-After`; a model in `scales_from_zero` waits in the admission
-queue instead, within its bounds, while a worker starts (`_without_worker`).
+When step 1 leaves none: a model no worker serves is a 404, a known one (its workers all
+out) a 503 with `Retry-After`; one in `scales_from_zero` waits while a worker starts.
 
 The retry rule, stated once (docs/reliability.md shows the tests that hold it to this):
 
@@ -190,8 +189,7 @@ class Dispatcher:
         self.admission = Admission(config.max_queued, config.max_queue_wait)
         # Called with each finished lease (telemetry, access log); kept cheap.
         self.on_release: list[Callable[[Lease], None]] = []
-        # Called with each placement (policy, request, worker chosen), `serve --processes
-        # N`: the siblings are told (process/placement_feed.py); None: nobody.
+        # Told each placement (`serve --processes N`: process/placement_feed.py) or None.
         self.on_placed: Callable[[Policy, RequestInfo, Worker], None] | None = None
         self.retries = 0  # requests tried again on another worker, since start
         # Models whose requests wait in the admission queue when no worker serves them or
@@ -219,7 +217,7 @@ class Dispatcher:
             with_token = [w for w in candidates if self.buckets.has_token(w)]
             candidates = with_token or candidates
         worker = policy.select(candidates, info) if candidates else None
-        if worker is not None and self.on_placed is not None:  # (the policy counted it)
+        if worker and self.on_placed:  # (counted by the policy: by the siblings too)
             self.on_placed(policy, info, worker)
         return worker
 
@@ -286,7 +284,7 @@ class Dispatcher:
         worker = policy.select(candidates, info)
         if worker is None:
             return None
-        if self.on_placed is not None:
+        if self.on_placed is not None:  # (the siblings count and record it too)
             self.on_placed(policy, info, worker)
         if more and worker in more:
             self.buckets.stretch(worker)
