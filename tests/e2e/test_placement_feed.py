@@ -4,7 +4,9 @@ conversation's next turn finds its history whichever process it reaches."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
+from collections.abc import AsyncIterator
 
 import openai
 import pytest
@@ -25,7 +27,9 @@ from vllm_gateway.workers import WorkerState
 pytestmark = pytest.mark.timeout(40)
 
 
-async def test_placements_reach_the_siblings_and_malformed_lines_are_dropped():
+@contextlib.asynccontextmanager
+async def three_feeds() -> AsyncIterator[tuple[str, list[PlacementFeed], list[list[tuple]]]]:
+    """Three processes' feeds in one directory, connected; what each was told."""
     got: list[list[tuple]] = [[], [], []]
     with tempfile.TemporaryDirectory() as d:
         feeds = [
@@ -36,82 +40,75 @@ async def test_placements_reach_the_siblings_and_malformed_lines_are_dropped():
             await f.open()
         try:
             await wait_until(lambda: all(p.transport for p in feeds[0]._peers), timeout=5)
-            for n in range(150):  # more than one line's worth, in one loop pass
-                feeds[0].publish("m", "http://w1", 5, 7, [n, 2**63 - 1, -(2**63)])
-            await wait_until(lambda: len(got[1]) == len(got[2]) == 150, timeout=5)
-            assert got[0] == []  # not told its own
-            assert got[1][5] == ("m", "http://w1", 5, 7, [5, 2**63 - 1, -(2**63)])
-            assert feeds[0].sent == 300 and feeds[1].received == 150
-            # A stranger's lines (never a sibling's): not JSON, wrong shapes, too many
-            # names, a float or a bool among them. Each is dropped whole; a good one after
-            # them still applies; a line past MAX_LINE closes the connection.
-            bad = [
-                b"\xff not json",
-                b"{}",
-                b'[["m", "u", 0, 0]]',
-                b'[["m", "u", 0, "7", []]]',
-                b'[["m", "u", 0, 0, [1.5]]]',
-                b'[["m", "u", 0, 0, %s]]' % str(list(range(MAX_NAMES + 1))).encode(),
-                b'[["m", "u", 0, 0, [1]], ["m", "u", 0, 0, "x"]]',
-                b'[["m", "u", true, 0, [1]]]',
-                b"[%s]" % b",".join([b'["m", "u", 0, 0, []]'] * (BATCH + 1)),
-            ]
-            reader, writer = await asyncio.open_unix_connection(feed_path(d, 1))
-            writer.write(b"\n".join(bad) + b'\n[["m", "http://w2", 0, 0, [1, 2]]]\n')
-            await wait_until(lambda: len(got[1]) == 151, timeout=5)
-            assert got[1][-1] == ("m", "http://w2", 0, 0, [1, 2])
-            assert feeds[1].dropped == len(bad)
-            writer.write(b"[" * (MAX_LINE + 1))
-            assert await asyncio.wait_for(reader.read(), timeout=5) == b""  # closed
-            writer.close()
+            yield d, feeds, got
         finally:
             for f in feeds:
                 await f.close()
-        # Closed: a publish is a no-op.
-        feeds[0].publish("m", "u", 0, 0, [1])
-        assert feeds[0].sent == 300
+
+
+async def test_placements_reach_the_siblings_and_malformed_lines_are_dropped():
+    async with three_feeds() as (d, feeds, got):
+        for n in range(150):  # more than one line's worth, in one loop pass
+            feeds[0].publish("m", "http://w1", 5, 7, [n, 2**63 - 1, -(2**63)])
+        await wait_until(lambda: len(got[1]) == len(got[2]) == 150, timeout=5)
+        assert got[0] == []  # not told its own
+        assert got[1][5] == ("m", "http://w1", 5, 7, [5, 2**63 - 1, -(2**63)])
+        assert feeds[0].sent == 300 and feeds[1].received == 150
+        # A stranger's lines (never a sibling's): not JSON, wrong shapes, too many names,
+        # a float or a bool among them, too many placements. Each is dropped whole; a good
+        # one after them still applies; a line past MAX_LINE closes the connection.
+        bad = [
+            b"\xff not json",
+            b"{}",
+            b'[["m", "u", 0, 0]]',
+            b'[["m", "u", 0, "7", []]]',
+            b'[["m", "u", 0, 0, [1.5]]]',
+            b'[["m", "u", 0, 0, %s]]' % str(list(range(MAX_NAMES + 1))).encode(),
+            b'[["m", "u", 0, 0, [1]], ["m", "u", 0, 0, "x"]]',
+            b'[["m", "u", true, 0, [1]]]',
+            b"[%s]" % b",".join([b'["m", "u", 0, 0, []]'] * (BATCH + 1)),
+        ]
+        reader, writer = await asyncio.open_unix_connection(feed_path(d, 1))
+        writer.write(b"\n".join(bad) + b'\n[["m", "http://w2", 0, 0, [1, 2]]]\n')
+        await wait_until(lambda: len(got[1]) == 151, timeout=5)
+        assert got[1][-1] == ("m", "http://w2", 0, 0, [1, 2])
+        assert feeds[1].dropped == len(bad)
+        writer.write(b"[" * (MAX_LINE + 1))
+        assert await asyncio.wait_for(reader.read(), timeout=5) == b""  # closed
+        writer.close()
+    feeds[0].publish("m", "u", 0, 0, [1])  # closed: a no-op
+    assert feeds[0].sent == 300
 
 
 async def test_a_sibling_that_goes_away_is_reconnected_and_one_that_stalls_is_skipped():
     """Sibling 1 restarts: what is published meanwhile is dropped for it, and once it is
-    back (after RECONNECT_SECONDS) it is told again. A sibling that does not read is
-    skipped once MAX_BUFFERED bytes wait for it, and the others are still told."""
-    got: list[list[tuple]] = [[], [], []]
-    with tempfile.TemporaryDirectory() as d:
-        feeds = [
-            PlacementFeed(i, 3, d, lambda *p, i=i: got[i].append(p))  # type: ignore[misc]
-            for i in range(3)
-        ]
-        for f in feeds:
-            await f.open()
-        try:
-            await wait_until(lambda: all(p.transport for p in feeds[0]._peers), timeout=5)
-            await feeds[1].close()
-            await wait_until(lambda: feeds[0]._peers[0].transport is None, timeout=5)
-            feeds[0].publish("m", "u", 0, 0, [1])  # 1 is away: dropped for it
-            await asyncio.sleep(0)
-            assert feeds[0].dropped == 1
-            feeds[1] = PlacementFeed(1, 3, d, lambda *p: got[1].append(p))
-            await feeds[1].open()
-            await wait_until(lambda: feeds[0]._peers[0].transport is not None, timeout=5)
-            feeds[0].publish("m", "u", 0, 0, [2])
-            await wait_until(lambda: len(got[1]) == 1, timeout=5)
-            assert got[1][0][4] == [2] and [p[4] for p in got[2]] == [[1], [2]]
-            # Sibling 2 stops reading: its buffer fills, then it is skipped; 1 keeps up.
-            stalled = next(iter(feeds[2]._readers))
+    back it is told again. A sibling that does not read is skipped once MAX_BUFFERED
+    bytes wait for it, and the others are still told."""
+    async with three_feeds() as (d, feeds, got):
+        await feeds[1].close()
+        await wait_until(lambda: feeds[0]._peers[0].transport is None, timeout=5)
+        feeds[0].publish("m", "u", 0, 0, [1])  # 1 is away: dropped for it
+        await asyncio.sleep(0)
+        assert feeds[0].dropped == 1
+        feeds[1] = PlacementFeed(1, 3, d, lambda *p: got[1].append(p))
+        await feeds[1].open()
+        await wait_until(lambda: feeds[0]._peers[0].transport is not None, timeout=5)
+        feeds[0].publish("m", "u", 0, 0, [2])
+        await wait_until(lambda: len(got[1]) == 1, timeout=5)
+        assert got[1][0][4] == [2] and [p[4] for p in got[2]] == [[1], [2]]
+        # Sibling 2 stops reading: its buffer fills, then it is skipped; 1 keeps up.
+        for stalled in feeds[2]._readers:
             assert stalled.transport is not None
             stalled.transport.pause_reading()  # type: ignore[attr-defined]
-            names = list(range(MAX_NAMES - 1))
-            before = len(got[1])
-            for _ in range(40):
-                for _ in range(BATCH):
-                    feeds[0].publish("m", "u", 0, 0, names)
-                await asyncio.sleep(0)
-            await wait_until(lambda: len(got[1]) == before + 40 * BATCH, timeout=10)
-            assert feeds[0].dropped > 0  # some for 2, none for 1
-        finally:
-            for f in feeds:
-                await f.close()
+        names = [2**62 + n for n in range(MAX_NAMES - 1)]  # ~1.4 KB a placement
+        before, dropped, told_2 = len(got[1]), feeds[0].dropped, len(got[2])
+        for _ in range(100):  # ~9 MB: past MAX_BUFFERED and the kernel's buffers
+            for _ in range(BATCH):
+                feeds[0].publish("m", "u", 0, 0, names)
+            await asyncio.sleep(0)
+        await wait_until(lambda: len(got[1]) == before + 100 * BATCH, timeout=10)
+        assert feeds[0].dropped > dropped  # some for 2, none for 1
+        assert len(got[2]) == told_2  # it read nothing since
 
 
 async def test_a_later_turn_at_the_other_process_goes_where_its_history_is(fake_worker):
