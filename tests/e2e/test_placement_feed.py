@@ -157,3 +157,55 @@ async def test_a_later_turn_at_the_other_process_goes_where_its_history_is(fake_
     to_a = [r for r in a.stats.requests if r.path == "/v1/chat/completions"]
     to_b = [r for r in b.stats.requests if r.path == "/v1/chat/completions"]
     assert (len(to_a), len(to_b)) == (0, 20)
+
+
+async def test_a_sibling_away_is_retried_once_a_second_however_often_others_reconnect():
+    """Sibling 2 never starts; sibling 1 restarts five times. Each restart asks feed 0 to
+    connect to its away siblings now, but there stays one retry per sibling, not one
+    chain per restart."""
+    with tempfile.TemporaryDirectory() as d:
+        feeds = [PlacementFeed(i, 3, d, lambda *p: None) for i in range(2)]
+        for f in feeds:
+            await f.open()
+        tries = []
+        away = feeds[0]._peers[1]
+        connect = away._connect
+
+        async def counted() -> None:
+            tries.append(asyncio.get_running_loop().time())
+            await connect()
+
+        away._connect = counted  # type: ignore[method-assign]
+        try:
+            for _ in range(5):
+                await feeds[1].close()
+                feeds[1] = PlacementFeed(1, 3, d, lambda *p: None)
+                await feeds[1].open()
+                await wait_until(lambda: feeds[0]._peers[0].transport is not None, timeout=5)
+            start = len(tries)
+            await asyncio.sleep(2.5)
+            assert len(tries) - start <= 3, tries  # one chain: 2-3 tries in 2.5 s
+        finally:
+            for f in feeds:
+                await f.close()
+
+
+async def test_a_placement_that_fails_to_apply_costs_its_line_not_the_connection():
+    def apply(model: str, url: str, *rest: object) -> None:
+        if url == "boom":
+            raise ValueError("a defect")
+        got.append(url)
+
+    got: list[str] = []
+    with tempfile.TemporaryDirectory() as d:
+        feed = PlacementFeed(0, 2, d, apply)
+        await feed.open()
+        try:
+            _, writer = await asyncio.open_unix_connection(feed_path(d, 0))
+            writer.write(b'[["m", "a", 0, 0, []], ["m", "boom", 0, 0, []], ["m", "c", 0, 0, []]]\n')
+            writer.write(b'[["m", "d", 0, 0, []]]\n')
+            await wait_until(lambda: got == ["a", "d"], timeout=5)
+            assert feed.received == 2 and feed.dropped == 1
+            writer.close()
+        finally:
+            await feed.close()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +49,7 @@ from vllm_gateway.log import get_logger
 from vllm_gateway.workers import Worker, WorkerRegistry
 
 log = get_logger("vllm_gateway.placement_feed")
+_QUIET = contextvars.Context()
 
 # Placements per line: each is at most 2 x MAX_BLOCKS + 2 names of ~20 digits (~1.4 KB as
 # JSON) and two texts of at most `MAX_TEXT`.
@@ -96,7 +98,7 @@ class PlacementFeed:
         self.received = 0  # placements applied from siblings
         self.dropped = 0  # placements not told to a sibling (away, too slow), lines not parsed
         self._logged_drops = 0
-        self._logged_at = -LOG_EVERY
+        self._logged_at = self._failed_at = -LOG_EVERY
 
     async def open(self) -> None:
         """Listen for the siblings' placements; connect to theirs as they are needed."""
@@ -134,12 +136,17 @@ class PlacementFeed:
         if not self._scheduled:
             self._scheduled = True
             assert self._loop is not None
-            self._loop.call_soon(self._flush)
+            # In a context of its own: its log lines are no request's.
+            self._loop.call_soon(self._flush, context=_QUIET)
 
     def _flush(self) -> None:
         self._scheduled = False
         outbox, self._outbox = self._outbox, []
         if self._server is None or not outbox:
+            return
+        if not any(peer.writable() for peer in self._peers):
+            self.dropped += len(outbox) * len(self._peers)  # (none serialised for nobody)
+            self._log_drops()
             return
         lines = b"".join(
             orjson.dumps(outbox[i : i + BATCH]) + b"\n" for i in range(0, len(outbox), BATCH)
@@ -149,6 +156,9 @@ class PlacementFeed:
                 self.sent += len(outbox)
             else:
                 self.dropped += len(outbox)
+        self._log_drops()
+
+    def _log_drops(self) -> None:
         if self.dropped > self._logged_drops and time.monotonic() - self._logged_at > LOG_EVERY:
             self._logged_at = time.monotonic()
             log.warning(
@@ -164,9 +174,15 @@ class PlacementFeed:
         if placements is None:
             self.dropped += 1
             return
-        for model, url, shared, preamble, names in placements:
-            self._apply(model, url, shared, preamble, names)
-        self.received += len(placements)
+        try:
+            for model, url, shared, preamble, names in placements:
+                self._apply(model, url, shared, preamble, names)
+                self.received += 1
+        except Exception as e:  # a defect here: the rest of the line is dropped, not the link
+            self.dropped += 1
+            if time.monotonic() - self._failed_at > LOG_EVERY:
+                self._failed_at = time.monotonic()
+                log.error("a sibling's placement failed to apply", error=f"{type(e).__name__}: {e}")
 
 
 class _Peer(asyncio.Protocol):
@@ -177,7 +193,8 @@ class _Peer(asyncio.Protocol):
         self.path = path
         self.transport: asyncio.WriteTransport | None = None
         self.feed: PlacementFeed | None = None  # set while the feed is open
-        self.connecting = False
+        self.connecting: asyncio.Task[None] | None = None  # the connect under way
+        self.retry: asyncio.TimerHandle | None = None  # the next try, when one is due
 
     def start(self, feed: PlacementFeed) -> None:
         self.feed = feed
@@ -186,18 +203,24 @@ class _Peer(asyncio.Protocol):
     def connect_now(self) -> None:
         """Connect unless connected or connecting (a sibling that just connected to this
         process is up: its socket is worth trying before the retry is due)."""
-        if self.feed is not None and self.transport is None and not self.connecting:
-            self.connecting = True
-            asyncio.get_running_loop().create_task(self._connect())
+        if self.feed is not None and self.transport is None and self.connecting is None:
+            if self.retry is not None:
+                self.retry.cancel()
+                self.retry = None
+            self.connecting = asyncio.get_running_loop().create_task(self._connect())
 
     def write(self, data: bytes) -> bool:
         """Write `data` to the sibling if connected and keeping up (else it is dropped);
         whether it was written."""
-        t = self.transport
-        if t is None or t.get_write_buffer_size() > MAX_BUFFERED:
+        if not self.writable():
             return False
-        t.write(data)
+        assert self.transport is not None
+        self.transport.write(data)
         return True
+
+    def writable(self) -> bool:
+        t = self.transport
+        return t is not None and not t.is_closing() and t.get_write_buffer_size() <= MAX_BUFFERED
 
     async def _connect(self) -> None:
         try:
@@ -206,7 +229,7 @@ class _Peer(asyncio.Protocol):
         except OSError:  # not started yet, restarting, gone
             self._again()
         finally:
-            self.connecting = False
+            self.connecting = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self.feed is None:  # closed meanwhile
@@ -219,12 +242,19 @@ class _Peer(asyncio.Protocol):
         self._again()
 
     def _again(self) -> None:
-        if self.feed is not None:
-            loop = asyncio.get_running_loop()
-            loop.call_later(RECONNECT_SECONDS, self.connect_now)
+        """Try again after `RECONNECT_SECONDS` (one timer per sibling, however many ask)."""
+        if self.feed is not None and self.retry is None:
+            self.retry = asyncio.get_running_loop().call_later(RECONNECT_SECONDS, self._due)
+
+    def _due(self) -> None:
+        self.retry = None
+        self.connect_now()
 
     def close(self) -> None:
         self.feed = None
+        if self.retry is not None:
+            self.retry.cancel()
+            self.retry = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
