@@ -408,8 +408,8 @@ class GatewayConfig:
     processes: int = setting(
         1,
         "Gateway processes serving the port together (SO_REUSEPORT), each with its own "
-        "pools, probes and dispatcher; control requests reach all of them. One per core "
-        "is a good start.",
+        "pools, probes and dispatcher; control requests reach all of them, and each tells "
+        "the others where cache_aware placed which prompt. One per core is a good start.",
         minimum=1,
         maximum=256,
         cli="--processes",
