@@ -194,6 +194,7 @@ def create_app(
         middlewares.insert(0, siblings.middleware())
         g.status.process, g.status.siblings = process_index, siblings
         feed = share_placements(g.dispatcher, g.registry, process_index, process_count, control_dir)
+        g.status.feed = feed
     app = web.Application(
         middlewares=middlewares,
         # aiohttp enforces this on bodies without Content-Length; routes check the header.

@@ -8,6 +8,7 @@ import contextlib
 import tempfile
 from collections.abc import AsyncIterator
 
+import aiohttp
 import openai
 import pytest
 
@@ -151,6 +152,19 @@ async def test_a_later_turn_at_the_other_process_goes_where_its_history_is(fake_
             await wait_until(lambda: index.blocks_of(apps[1][REGISTRY].get(b.url)) >= 10, 5)
             for messages in histories:
                 await clients[1].chat.completions.create(model="m", messages=messages, max_tokens=8)
+            # /metrics (either process answers for both) counts what each told and applied.
+            async with aiohttp.ClientSession() as http, http.get(servers[1].url + "/metrics") as r:
+                text = await r.text()
+            counts = {
+                (line.split('process="')[1][0], line.split('result="')[1].split('"')[0]): float(
+                    line.rsplit(" ", 1)[1]
+                )
+                for line in text.splitlines()
+                if line.startswith("vllm_gateway_sibling_placements_total{")
+            }
+            assert counts[("0", "told")] == counts[("1", "applied")] == 10
+            assert counts[("1", "told")] == counts[("0", "applied")] == 10
+            assert counts[("0", "dropped")] == counts[("1", "dropped")] == 0
         finally:
             for c in clients:
                 await c.close()

@@ -30,6 +30,7 @@ from vllm_gateway.observe.telemetry import (
     RequestMetrics,
     render,
 )
+from vllm_gateway.process.placement_feed import PlacementFeed
 from vllm_gateway.process.siblings import Siblings
 from vllm_gateway.process.view import merge_expositions, merge_stats
 from vllm_gateway.workers import WorkerRegistry, WorkerState
@@ -55,6 +56,7 @@ class StatusViews:
     # With --processes N: this process's index and its siblings, whose views are merged in.
     process: int | None = None
     siblings: Siblings | None = None
+    feed: PlacementFeed | None = None
     autoscaler: Autoscaler | None = None
     registration: Registration | None = None
     prober: Prober | None = None
@@ -82,6 +84,7 @@ class StatusViews:
             self.autoscaler,
             self.registration,
             self.prober,
+            self.feed,
         )
         if self.siblings is not None and not self.siblings.asked_by_sibling(request):
             others = await self.siblings.collect(request)

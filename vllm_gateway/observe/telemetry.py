@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # read at scrape time only; they are built above this module
     from vllm_gateway.control.registration import Registration
     from vllm_gateway.fleet.autoscale import Autoscaler
     from vllm_gateway.fleet.health import Prober
+    from vllm_gateway.process.placement_feed import PlacementFeed
 
 # Time to first byte: from dispatch to the first body byte relayed (prefill plus queueing).
 TTFB_BUCKETS = (
@@ -133,9 +134,11 @@ def render(
     autoscaler: Autoscaler | None = None,
     registration: Registration | None = None,
     prober: Prober | None = None,
+    feed: PlacementFeed | None = None,
 ) -> str:
     """The whole /metrics document. `started` is the process start, in Unix seconds;
-    `process` (with --processes N) labels every sample with the process's index."""
+    `process` (with --processes N) labels every sample with the process's index, and
+    `feed` is its placement feed to the others."""
     metrics.prune({worker.url for worker in registry}, time.monotonic())
     w = Writer((("process", process),) if process is not None else ())
     p = "vllm_gateway_"
@@ -154,6 +157,8 @@ def render(
         _probe_metrics(w, prober, scraper)
 
     _dispatch_metrics(w, metrics, dispatcher, workers)
+    if feed is not None:
+        _feed_metrics(w, feed)
 
     _reload_metrics(w, reloads)
     _process_metrics(w)
@@ -405,6 +410,24 @@ def _dispatch_metrics(
         for url, doc in described:
             if doc[key] is not None:
                 w.sample(p + name, doc[key], (("worker", url),))  # type: ignore[arg-type]
+
+
+def _feed_metrics(w: Writer, feed: PlacementFeed) -> None:
+    """What the placement feed told the sibling processes, heard from them, and lost."""
+    name = "vllm_gateway_sibling_placements_total"
+    w.family(
+        name,
+        "counter",
+        "With --processes N: cache_aware placements told to the sibling processes (told, "
+        "once per sibling), applied from them (applied), and lost (dropped: not told to a "
+        "sibling that was away or too slow to read, or a line from one that failed).",
+    )
+    for result, value in (
+        ("told", feed.sent),
+        ("applied", feed.received),
+        ("dropped", feed.dropped),
+    ):
+        w.sample(name, value, (("result", result),))
 
 
 def _process_metrics(w: Writer) -> None:
