@@ -229,7 +229,6 @@ def build_gateway(
         policy_for_model=per_model,
         retry=config.retry,
         config=config.dispatch,
-        processes=process_count,
         rng=rng,
     )
     pool = UpstreamPool(config.timeouts.connect)

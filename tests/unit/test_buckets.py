@@ -169,17 +169,6 @@ def test_buckets_of_removed_workers_are_dropped():
     assert w not in b.by_worker
 
 
-def test_each_gateway_process_takes_its_share_of_the_room():
-    registry, w, _ = setup()
-    half = Buckets(DispatchConfig(), share=0.5)  # serve --processes 2
-    registry.stats_listeners[:] = [half.on_stats]
-    report(registry, w, running=10, waiting=2)  # capacity 10
-    report(registry, w, running=6, waiting=0)  # 4 free slots: 2 for this process
-    assert half.by_worker[w].tokens == pytest.approx(2.0)
-    send(w, half, 2)
-    assert not half.has_token(w)
-
-
 def test_a_probe_that_only_confirms_the_capacity_doubles_the_holdoff():
     registry, w, b = setup()
     report(registry, w, running=4, waiting=1)  # capacity 4 learned at t=0
@@ -364,22 +353,6 @@ def test_a_stretch_without_evidence_falls_back_to_the_usual_probe():
     finish(w, b, 6)
     report(registry, w, running=PROBE_START - 2, waiting=0)
     assert b.capacity_of(w) == PROBE_START + 1
-
-
-def test_each_process_stretches_its_share():
-    """With `serve --processes 2` each process lets one more of its own through at a time,
-    to its half of twice the level."""
-    registry = WorkerRegistry()
-    w, _ = registry.add("http://w", models=("m",))
-    registry.set_state(w, WorkerState.READY, "test")
-    b = Buckets(DispatchConfig(), share=0.5)
-    registry.stats_listeners.append(b.on_stats)
-    report(registry, w, running=0, waiting=0)
-    send(w, b, int(PROBE_START / 2))
-    for n in range(int(PROBE_START / 2)):
-        stretch(w, b)
-        assert w.inflight == PROBE_START / 2 + n + 1
-    assert not b.can_stretch(w) and w.inflight == PROBE_START
 
 
 def test_a_queue_or_a_configured_capacity_is_never_stretched():

@@ -6,11 +6,10 @@ admission queue. Tokens come from three sources (docs/dispatch.md has the figure
 
 - Each scrape re-fills the bucket from what the worker reports. Once its capacity is
   learned (below), the bucket holds the room it has: capacity minus its reported running
-  and waiting, minus what was sent (plus what finished) since the scrape; with
-  `serve --processes N`, each process takes 1/N of that room. Before that, the bucket is
-  open (no limit, full speed) while the worker reports an empty waiting queue, and empty
-  once it reports one. A worker reporting `stop_waiting` requests waiting gets nothing new
-  until its queue shrinks (or stays still: next).
+  and waiting, minus what was sent (plus what finished) since the scrape. Before that,
+  the bucket is open (no limit, full speed) while the worker reports an empty waiting
+  queue, and empty once it reports one. A worker reporting `stop_waiting` requests
+  waiting gets nothing new until its queue shrinks (or stays still: next).
 - A queue on its page that has not moved for `FROZEN_AFTER` seconds, while this process
   had nothing in flight there, earns one token (still_queue.py).
 - Each request the worker finishes earns `gain = 1 - waiting / stop_waiting` tokens
@@ -20,12 +19,14 @@ admission queue. Tokens come from three sources (docs/dispatch.md has the figure
   is its completion pace times the gain.
 
 In front of the bucket stands the capacity gate: a worker is full, and takes nothing new,
-while this process's in-flight requests to it reach its capacity (its share of it with
-`serve --processes N`), or they and what other senders had on it at its last scrape
-(`Worker.others`: other replicas, sibling processes, clients that go around the gateway)
-do. So requests wait in the gateway, where the first slot freed anywhere takes the head
-of the admission queue, and not inside a full worker's queue, also before anything was
-learned. The capacity is, first found first:
+while this process's in-flight requests to it reach its capacity, or they and what
+other senders had on it at its last scrape (`Worker.others`: other replicas, sibling
+processes of `serve --processes N`, clients that go around the gateway) do. A sibling
+process is gated as a replica is: by its own requests and the others' at the last scrape,
+not by a fixed 1/N of the capacity (measured: docs/benchmarks.md). So requests wait in
+the gateway, where the first slot freed anywhere takes the head of the admission queue,
+and not inside a full worker's queue, also before anything was learned. The capacity
+is, first found first:
 
 1. the worker's `max_num_seqs` from the configuration, when given;
 2. learned: when a worker reports a waiting queue, the number it has running is as many
@@ -47,7 +48,7 @@ than the level, never on the absence of a queue alone: a queue that came and wen
 between two scrapes (a request waited a moment for a slot, then ran) is never seen. And
 a probe is an eighth of the level (one request up to 15), not a doubling: a worker whose
 capacity is the level itself (batch sizes are usually powers of two, as the levels are)
-holds that much in its queue (per gateway process), not a level's worth, and a burst that
+holds that much in its queue, not a level's worth, and a burst that
 finds every worker full does not pour the admission queue into the workers' queues.
 
 A request the policy would rather send to a worker held back only by its probing limit
@@ -164,9 +165,8 @@ class TokenBucket:
 class Buckets:
     """A token bucket per worker (created on first sight, dropped with the worker)."""
 
-    def __init__(self, config: DispatchConfig, share: float = 1.0) -> None:
+    def __init__(self, config: DispatchConfig) -> None:
         self.stop_waiting = config.stop_waiting
-        self.share = share  # of each worker's room this process may fill (1 / processes)
         self.by_worker: dict[Worker, TokenBucket] = {}
         self.sent_to_full = 0  # requests sent to a worker that was already full (take)
 
@@ -190,8 +190,8 @@ class Buckets:
 
     def is_full(self, worker: Worker) -> bool:
         """The capacity gate: the worker's capacity (`Worker.capacity`, kept equal to
-        `capacity_of` by on_stats) is filled, by this process's in-flight requests (its
-        share of the capacity), or by them and what other senders had on it at its last
+        `capacity_of` by on_stats) is filled, by this process's in-flight requests, or by
+        them and what other senders had on it at its last
         scrape (`Worker.others`: other replicas of the gateway, sibling processes, clients
         that go around the gateway). Two replicas gating on their own counts alone would
         fill a worker twice; with one gateway process alone, `others` is 0. Either way a
@@ -201,7 +201,7 @@ class Buckets:
         capacity = worker.max_num_seqs or worker.capacity
         inflight = worker.inflight
         return bool(capacity) and (
-            inflight >= max(1.0, capacity * self.share)
+            inflight >= max(1.0, capacity)
             or (inflight > 0 and inflight + worker.others >= capacity)
         )
 
@@ -211,7 +211,7 @@ class Buckets:
         capacity = worker.max_num_seqs or worker.capacity  # is_full, inline: hot path
         if capacity:
             inflight = worker.inflight
-            if inflight >= max(1.0, capacity * self.share) or (
+            if inflight >= max(1.0, capacity) or (
                 inflight > 0 and inflight + worker.others >= capacity
             ):
                 return False
@@ -258,7 +258,7 @@ class Buckets:
         if b is None or b.capacity is not None:
             return False
         level = b.probe_limit if b.base is None else b.base
-        return held(worker, self.share) + 1.0 <= min(PROBE_MAX, 2.0 * level)
+        return held(worker) + 1.0 <= min(PROBE_MAX, 2.0 * level)
 
     def stretch(self, worker: Worker) -> None:
         """`worker` (`can_stretch`) was chosen past its probing limit: raise the limit to
@@ -266,7 +266,7 @@ class Buckets:
         running past the level doubles it; one that does not brings the limit back to the
         level's usual probe)."""
         b = self.bucket(worker)
-        wanted = held(worker, self.share) + 1.0
+        wanted = held(worker) + 1.0
         if wanted > b.probe_limit:
             if b.base is None:
                 b.base = b.probe_limit
@@ -296,7 +296,7 @@ class Buckets:
             b.demand = True
             b.waited = b.waited or waits
             # What it was given then (in flight now may be less by the next scrape).
-            b.peak = max(b.peak, held(worker, self.share))
+            b.peak = max(b.peak, held(worker))
 
     def _on_stats(
         self, worker: Worker, b: TokenBucket, running: float, waiting: float, at: float
@@ -326,11 +326,11 @@ class Buckets:
             b.tokens = min(b.tokens, 0.0)
             b.limit = 0.0
         elif b.capacity is not None:
-            # The room the worker reported (this process's share of it), less what this
-            # process sent it and saw finish since.
-            b.limit = b.capacity * self.share
+            # The room the worker reported, less what this process sent it and saw
+            # finish since.
+            b.limit = b.capacity
             own = worker.sent_since_scrape - worker.finished_since_scrape
-            b.tokens = (b.capacity - running - waiting) * self.share - own
+            b.tokens = b.capacity - running - waiting - own
         else:  # queueing, capacity not known yet: only what finishing requests earn
             b.tokens = min(b.tokens, 0.0)
             b.limit = max(1.0, running)
@@ -339,9 +339,9 @@ class Buckets:
 
     def _slow_start(self, worker: Worker, b: TokenBucket, running: float) -> None:
         """No queue, capacity unknown: grow the probing limit while more is wanted."""
-        given = max(running, held(worker, self.share), b.peak)
+        given = max(running, held(worker), b.peak)
         wanted = b.demand and given >= b.probe_limit
-        if running < worker.inflight / self.share / 2.0:
+        if running < worker.inflight / 2.0:
             # It reports running fewer than half of what this process has in flight to it:
             # its gauge does not count these requests (not vLLM, or a proxy), so what it
             # runs is no evidence. Go by what it was given, as a doubling: a probe that

@@ -174,7 +174,6 @@ class Dispatcher:
         policy_for_model: dict[str, Policy] | None = None,
         retry: RetryConfig | None = None,
         config: DispatchConfig | None = None,
-        processes: int = 1,
         rng: random.Random | None = None,
     ) -> None:
         config = config or DispatchConfig()
@@ -183,9 +182,8 @@ class Dispatcher:
         self.policy_for_model = policy_for_model or {}
         self.retry = retry or RetryConfig()
         self.rng = rng or random.Random()
-        # With `serve --processes N`, each process dispatches to the same workers on its
-        # own: each takes 1/N of the room a worker reports.
-        self.buckets = Buckets(config, share=1.0 / processes)
+        # With `serve --processes N`, each process gates as a replica does (buckets.py).
+        self.buckets = Buckets(config)
         self.admission = Admission(config.max_queued, config.max_queue_wait)
         # Called with each finished lease (telemetry, access log); kept cheap.
         self.on_release: list[Callable[[Lease], None]] = []

@@ -28,11 +28,8 @@ def load(worker: Worker) -> float:
     return estimate if estimate > inflight else inflight
 
 
-def held(worker: Worker, share: float = 1.0) -> float:
+def held(worker: Worker) -> float:
     """What `worker` holds by the capacity gate's measure (buckets.py `is_full`): this
-    process's in-flight requests over its share (`serve --processes N`: 1/N), or them and
-    what other senders had on it at its last scrape (`Worker.others`), if more."""
-    inflight = worker.inflight
-    own = inflight / share
-    total = inflight + worker.others
-    return total if total > own else own
+    process's in-flight requests and what other senders had on it at its last scrape
+    (`Worker.others`: replicas, sibling processes, direct clients)."""
+    return worker.inflight + worker.others
