@@ -190,20 +190,17 @@ class Buckets:
 
     def is_full(self, worker: Worker) -> bool:
         """The capacity gate: the worker's capacity (`Worker.capacity`, kept equal to
-        `capacity_of` by on_stats) is filled, by this process's in-flight requests, or by
-        them and what other senders had on it at its last
-        scrape (`Worker.others`: other replicas of the gateway, sibling processes, clients
-        that go around the gateway). Two replicas gating on their own counts alone would
-        fill a worker twice; with one gateway process alone, `others` is 0. Either way a
-        process with nothing in flight may send one request: a page whose gauges froze
+        `capacity_of` by on_stats) is filled by this process's in-flight requests and what
+        other senders had on it at its last scrape (`Worker.others`: other replicas of the
+        gateway, sibling processes, clients that go around the gateway). Two replicas
+        gating on their own counts alone would fill a worker twice; with one gateway
+        process alone, `others` is 0. Either way a process with nothing in flight may send
+        one request: a page whose gauges froze
         after its requests ended (vLLM updates them only when its engine steps) would
         otherwise keep the worker idle, and unchanged, for good."""
         capacity = worker.max_num_seqs or worker.capacity
         inflight = worker.inflight
-        return bool(capacity) and (
-            inflight >= max(1.0, capacity)
-            or (inflight > 0 and inflight + worker.others >= capacity)
-        )
+        return bool(capacity) and inflight > 0 and inflight + worker.others >= capacity
 
     def has_token(self, worker: Worker) -> bool:
         """May `worker` be sent a request now? Not when full (the capacity gate); else
@@ -211,9 +208,7 @@ class Buckets:
         capacity = worker.max_num_seqs or worker.capacity  # is_full, inline: hot path
         if capacity:
             inflight = worker.inflight
-            if inflight >= max(1.0, capacity) or (
-                inflight > 0 and inflight + worker.others >= capacity
-            ):
+            if inflight > 0 and inflight + worker.others >= capacity:
                 return False
         if worker.stats is None:
             return True

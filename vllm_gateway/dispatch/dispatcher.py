@@ -215,7 +215,7 @@ class Dispatcher:
             with_token = [w for w in candidates if self.buckets.has_token(w)]
             candidates = with_token or candidates
         worker = policy.select(candidates, info) if candidates else None
-        if worker and self.on_placed:  # (counted by the policy: by the siblings too)
+        if worker is not None and self.on_placed is not None:  # (the siblings count it too)
             self.on_placed(policy, info, worker)
         return worker
 
