@@ -304,3 +304,53 @@ async def test_responses_prompts_go_through_the_cache(
             assert resp.status == 200
             assert (await resp.json())["usage"]["input_tokens"] == 40
     assert await counters(http, worker) == (80, 32)
+
+
+async def test_a_prompt_whose_blocks_do_not_fit_waits_with_batch_slots_free(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    """vLLM's scheduler leaves a request waiting while its prompt's blocks cannot be
+    allocated, whatever its batch has free, and admits nobody behind it meanwhile."""
+    worker = await fake_worker(num_gpu_blocks=10, block_size=4, ttft_ms=1, tpot_ms=40)
+
+    async def stream(prompt: str, tokens: int) -> list[float]:
+        """Times (monotonic) of the answer's events."""
+        body = {"model": "fake-model", "prompt": prompt, "max_tokens": tokens, "stream": True}
+        times = []
+        async with http.post(worker.url + "/v1/completions", json=body) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data: {"):
+                    times.append(time.monotonic())
+        return times
+
+    first = asyncio.create_task(stream(words(24), 10))  # 6 blocks, 8 once answered
+    await worker.wait_for(lambda s: s.running == 1)
+    big = asyncio.create_task(stream(words(20, "b"), 1))  # 5 blocks: not beside 6-8
+    await worker.wait_for(lambda s: s.waiting == 1)
+    small = asyncio.create_task(stream("c0", 1))  # 1 block would fit, but waits its turn
+    await worker.wait_for(lambda s: s.waiting == 2)
+    assert worker.stats.running == 1  # 64 batch slots, 63 of them free
+    ended = (await asyncio.wait_for(first, 10))[-1]
+    big_times = await asyncio.wait_for(big, 10)
+    small_times = await asyncio.wait_for(small, 10)
+    assert big_times[0] >= ended and small_times[0] >= ended
+    assert worker.stats.max_running_seen == 2  # big and small then ran together
+
+
+async def test_an_overcommitting_cache_admits_what_does_not_fit(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession
+) -> None:
+    """--kv-overcommit: the fake's behaviour before it kept such a request waiting."""
+    worker = await fake_worker(
+        num_gpu_blocks=10, block_size=4, ttft_ms=1, tpot_ms=40, kv_overcommit=True
+    )
+    body = {"model": "fake-model", "prompt": words(24), "max_tokens": 10, "stream": True}
+    async with http.post(worker.url + "/v1/completions", json=body) as first:
+        await first.content.readuntil(b"\n\n")
+        big = {"model": "fake-model", "prompt": words(20, "b"), "max_tokens": 1}
+        async with http.post(worker.url + "/v1/completions", json=big) as resp:
+            assert resp.status == 200  # ran beside the first, past the capacity
+        assert worker.stats.max_waiting_seen == 0
+        await asyncio.wait_for(first.read(), 10)
+    runner = CliRunner().invoke(main, ["fake-worker", "--help"])
+    assert "--kv-overcommit" in runner.output

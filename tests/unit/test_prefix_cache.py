@@ -95,3 +95,51 @@ def test_answer_token_ids_are_the_answer_as_a_later_prompt_quotes_it() -> None:
     assert prompt_token_ids(chat)[1:] == said
     assert prompt_token_ids({"prompt": "hi" + text})[1:] == plain
     assert said[0] != plain[0] and said[1:] == plain[1:]
+
+
+def test_a_claim_is_refused_when_its_blocks_do_not_fit_beside_running_ones() -> None:
+    cache = PrefixCache(block_size=4, capacity=6)
+    running = cache.claim("m", list(range(16)))  # 4 blocks
+    assert running is not None and cache.blocks_in_use == 4
+    # 3 more blocks do not fit beside 4 of 6: refused, nothing held or counted.
+    assert cache.claim("m", list(range(100, 112))) is None
+    assert cache.blocks_in_use == 4 and cache.queries == 0
+    assert cache.claim("m", list(range(100, 108))) is not None  # 2 do
+    forced = cache.claim("m", list(range(200, 212)), force=True)
+    assert forced is not None and cache.blocks_in_use == 9  # past the capacity, as asked
+
+
+def test_cached_blocks_nobody_uses_are_free_but_not_the_ones_a_claim_hits() -> None:
+    cache = PrefixCache(block_size=4, capacity=6)
+    done = cache.admit("m", list(range(17)))  # 4 full blocks + 1 partial
+    cache.commit(done)
+    cache.release(done)
+    assert (cache.blocks_in_use, cache.blocks_cached) == (0, 4)
+    # Another prompt of 6 blocks fits: the 4 cached ones are evicted for it.
+    other = cache.claim("m", list(range(50, 74)))
+    assert other is not None and cache.blocks_cached == 0
+    cache.release(other)
+    again = cache.admit("m", list(range(17)))
+    cache.commit(again)
+    cache.release(again)  # 4 cached again (and 2 empty)
+    # Hitting 4 cached blocks pins them: with 3 more (new ones) it needs 7 of 6.
+    assert cache.claim("m", [*range(16), *range(300, 309)]) is None
+    hit = cache.claim("m", [*range(16), *range(300, 305)])  # 4 hit + 2 new
+    assert hit is not None and hit.hit_tokens == 16 and cache.blocks_in_use == 6
+
+
+def test_a_refresh_takes_the_blocks_computed_since_the_claim_as_hits() -> None:
+    cache = PrefixCache(block_size=4, capacity=100)
+    first = cache.claim("m", list(range(9)))
+    second = cache.claim("m", list(range(9)))  # first is still computing: nothing hit
+    assert first is not None and second is not None
+    assert second.hit_tokens == 0 and cache.blocks_in_use == 6
+    cache.refresh(first)
+    cache.commit(first)
+    cache.refresh(second)  # its prefill starts after first's: 2 blocks hit now
+    assert second.hit_tokens == 8 and second.uncached_tokens == 1
+    assert cache.blocks_in_use == 2 + 2  # shared full blocks, each its partial one
+    assert (cache.queries, cache.hits) == (18, 8)
+    for seq in (first, second):
+        cache.release(seq)
+    assert cache.blocks_in_use == 0 and cache.blocks_cached == 2

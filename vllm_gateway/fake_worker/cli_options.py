@@ -27,9 +27,16 @@ _OPTIONS: dict[str, tuple[Any, str, str]] = {
     "--num-gpu-blocks": (
         click.IntRange(min=1),
         "N",
-        "KV-cache capacity in blocks; unused cached blocks are evicted LRU, and full "
-        "blocks of answers are cached too, as vLLM V1 does. [default: no limit; "
+        "KV-cache capacity in blocks; unused cached blocks are evicted LRU, full "
+        "blocks of answers are cached too, and a request whose prompt's blocks do not "
+        "fit beside the running requests' waits, as vLLM V1 does. [default: no limit; "
         "answers are then not cached and vllm:kv_cache_usage_perc reports the batch's fill]",
+    ),
+    "--kv-overcommit": (
+        bool,
+        "",
+        "Admit a request whose prompt's blocks do not fit beside the running requests' "
+        "(the cache over-commits) rather than keep it waiting, as vLLM does. [default: off]",
     ),
     "--prefill-ms-per-token": (
         click.FloatRange(min=0),
@@ -43,7 +50,12 @@ _OPTIONS: dict[str, tuple[Any, str, str]] = {
 def cache_options(command: F) -> F:
     """Add the prefix-cache options to a click command."""
     for flag, (kind, metavar, text) in reversed(_OPTIONS.items()):
-        command = click.option(flag, type=kind, default=None, metavar=metavar, help=text)(command)
+        if kind is bool:  # a flag: None when not given, so the config's default holds
+            command = click.option(flag, is_flag=True, default=None, help=text)(command)
+        else:
+            command = click.option(flag, type=kind, default=None, metavar=metavar, help=text)(
+                command
+            )
     return command
 
 

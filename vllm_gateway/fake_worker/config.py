@@ -98,6 +98,9 @@ class FakeWorkerConfig:
     # max_num_seqs) as the fake always did, since a full batch is what a gateway
     # reading that gauge wants to learn of a worker whose memory is not modelled.
     num_gpu_blocks: int | None = None
+    # Admit a request whose prompt's blocks do not fit beside the running requests' (the
+    # cache over-commits), where vLLM keeps it waiting until they do (the default).
+    kv_overcommit: bool = False
     # Prefill compute per uncached prompt token, on top of ttft_ms, shared by the
     # worker's requests one after another (see prefill.py). 0: a prompt costs nothing.
     prefill_ms_per_token: float = 0.0

@@ -7,12 +7,13 @@ prefix_cache.py, shared prefill compute in prefill.py, the numbers in metrics.py
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Iterable
 
 from vllm_gateway.fake_worker.config import FakeWorkerConfig
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
 from vllm_gateway.fake_worker.prefill import PrefillLane
-from vllm_gateway.fake_worker.prefix_cache import PrefixCache
+from vllm_gateway.fake_worker.prefix_cache import PrefixCache, Sequence
 from vllm_gateway.fake_worker.scheduler import Scheduler
 from vllm_gateway.fake_worker.stats import FakeStats
 from vllm_gateway.fake_worker.tokens import answer_token_id as answer_id
@@ -31,6 +32,10 @@ def _made(role: str | None, start: int, stop: int) -> Iterable[int]:
     if role is None:
         return ()
     return (answer_id(j, role) for j in range(start, stop))
+
+
+def _forced(claim: Callable[[bool], Sequence | None], force: bool) -> Sequence | None:
+    return claim(True)
 
 
 class Engine:
@@ -54,7 +59,8 @@ class Engine:
         on_token: Callable[[int], Awaitable[None]] | None,
         answer_role: str | None = None,
     ) -> None:
-        """Wait for a slot, prefill, then make n tokens at one per tpot.
+        """Wait for a slot and room for the prompt's KV blocks, prefill, then make n
+        tokens at one per tpot.
 
         Prefill is the prompt's uncached tokens on the worker's shared prefill lane,
         then ttft. `prompt` is the token ids. With `answer_role` (None: the answer is not
@@ -68,12 +74,15 @@ class Engine:
         ttft, tpot = self.config.ttft_ms / 1000, self.config.tpot_ms / 1000
         m, cache, lane = self.metrics, self.cache, self.prefill_lane
         role = answer_role if cache.capacity is not None else None  # _made says why
-        async with self.scheduler.slot(model):
-            seq = None
+        # It runs once a batch slot is free and its prompt's blocks fit (scheduler.py).
+        claim = functools.partial(cache.claim, model, prompt)
+        if self.config.kv_overcommit:  # every claim is forced (the cache over-commits)
+            claim = functools.partial(_forced, claim)
+        async with self.scheduler.claimed(model, claim, cache.release) as seq:
             try:
-                # The cache is looked up when the prefill starts (prefill.py says why).
+                # The cache is looked up again when the prefill starts (prefill.py says why).
                 async with lane.turn():
-                    seq = cache.admit(model, prompt)
+                    cache.refresh(seq)
                     m.prompt_tokens += len(prompt)
                     await lane.compute(seq.uncached_tokens)
                     cache.commit(seq)
@@ -98,8 +107,7 @@ class Engine:
                         cache.grow(seq, len(prompt) + i + 1, _made(role, max(0, i - 1), i))
                         await on_token(i)
             finally:
-                if seq is not None:
-                    cache.release(seq)
+                cache.release(seq)
         end = loop.time()
         m.finished["length"] += 1
         m.e2e.observe(end - arrival)

@@ -5,10 +5,15 @@ Pure bookkeeping (no asyncio, no clock), shaped after vLLM V1's KV-cache manager
 - A prompt is cut into blocks of `block_size` tokens. Each full block is named by a
   chained hash, hash(parent's hash, the block's token ids), seeded with the model name,
   so two prompts share exactly the blocks of their common block-aligned prefix.
-- `admit` looks the prompt's blocks up in order and stops at the first miss. As in
+- `claim` looks the prompt's blocks up in order and stops at the first miss. As in
   vLLM, at least the prompt's last token is always computed, so a prompt that is
-  cached whole still misses its last block (or its only one). It counts the prompt's
-  tokens as queried and the cached ones as hits (vllm:prefix_cache_queries/hits).
+  cached whole still misses its last block (or its only one). With a capacity, it
+  refuses (None) a prompt whose blocks do not fit beside those running sequences hold,
+  as vLLM's scheduler leaves a request waiting when `allocate_slots` finds too few free
+  blocks (cached blocks nobody uses count as free: they are evicted for it).
+  `refresh`, when the prefill starts, takes as hits the blocks other sequences computed
+  since, and counts the prompt's tokens as queried and the cached ones as hits
+  (vllm:prefix_cache_queries/hits). `admit` is both at once, never refused.
 - A running sequence pins its blocks: the cached ones it hit, and blocks for the rest
   of its prompt and for every token it generates. The new full prompt blocks become
   visible to other requests only once computed (`commit`, after prefill), as in vLLM,
@@ -22,9 +27,9 @@ Pure bookkeeping (no asyncio, no clock), shaped after vLLM V1's KV-cache manager
 - A block no running sequence uses stays cached, in LRU order, until space is needed.
   Released sequences give their blocks back tail first, so a prompt's tail is evicted
   before its head (as vLLM's free queue does).
-- With `capacity=None` nothing is ever evicted. With a capacity, sequences whose
-  pinned blocks exceed it still run (the fake does not preempt, where vLLM would);
-  usage then reads 1.0.
+- With `capacity=None` nothing is ever evicted. With a capacity, a running sequence's
+  generated tokens still get blocks past it (the fake does not preempt, where vLLM
+  would); usage then reads 1.0.
 """
 
 from __future__ import annotations
@@ -103,18 +108,33 @@ class PrefixCache:
     # --- a sequence's life -------------------------------------------------------------
 
     def admit(self, model: str, token_ids: list[int]) -> Sequence:
-        """Look the prompt up, pin what hits, and hold blocks for the rest of it."""
+        """Claim the prompt's blocks even past the capacity, and count its lookup."""
+        seq = self.claim(model, token_ids, force=True)
+        assert seq is not None  # forced
+        self.refresh(seq)
+        return seq
+
+    def claim(self, model: str, token_ids: list[int], force: bool = False) -> Sequence | None:
+        """Pin what hits and hold blocks for the rest of the prompt; None (nothing held)
+        when those do not fit in the capacity beside the blocks running sequences hold,
+        unless `force` (the caller runs nothing else: the prompt could wait for good)."""
         size = self.block_size
         hashes = block_hashes(model, token_ids, size)
         # vLLM computes at least the last prompt token, so it never hits the whole prompt.
-        max_hit = (len(token_ids) - 1) // size
+        limit = min((len(token_ids) - 1) // size, len(hashes))
+        refs = self._refs
         hit = 0
-        while hit < min(max_hit, len(hashes)) and hashes[hit] in self._refs:
+        while hit < limit and hashes[hit] in refs:
             hit += 1
+        rest = -(-len(token_ids) // size) - hit
+        if self.capacity is not None and not force:
+            # Cached blocks nobody uses are free to evict, but not the ones it hits:
+            # pinning those takes them out of the free pool (as vLLM's allocate_slots).
+            revived = sum(1 for h in hashes[:hit] if h in self._evictable)
+            if self.blocks_in_use + revived + rest > self.capacity:
+                return None
         for h in hashes[:hit]:
             self._pin(h)
-        self.queries += len(token_ids)
-        self.hits += hit * size
         seq = Sequence(
             pinned=hashes[:hit],
             pending=hashes[hit:],
@@ -124,8 +144,27 @@ class PrefixCache:
             parent=hashes[-1] if hashes else _seed(model),
             tail=token_ids[len(hashes) * size :],
         )
-        self._hold(seq, -(-len(token_ids) // size) - hit)
+        self._hold(seq, rest)
         return seq
+
+    def refresh(self, seq: Sequence) -> None:
+        """The prefill starts: prompt blocks other sequences computed since the claim are
+        hits now (their private blocks go back); count the prompt as looked up."""
+        size = self.block_size
+        limit = (seq.tokens - 1) // size
+        refs, pending = self._refs, seq.pending
+        taken = 0
+        while taken < len(pending) and len(seq.pinned) < limit and pending[taken] in refs:
+            self._pin(pending[taken])
+            seq.pinned.append(pending[taken])
+            taken += 1
+        if taken:
+            del pending[:taken]
+            seq.private -= taken
+            self._private -= taken
+            seq.hit_tokens += taken * size
+        self.queries += seq.tokens
+        self.hits += seq.hit_tokens
 
     def commit(self, seq: Sequence) -> None:
         """The prompt is computed: its full blocks become cached and visible to others."""
