@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 from collections import Counter
@@ -42,6 +43,7 @@ from benchmarks.systems import (
     stop,
 )
 from benchmarks.traffic import Played, play
+from benchmarks.workload import WorkerSpec
 from vllm_gateway.http.server import new_event_loop
 
 OUT = Path(__file__).resolve().parent.parent / "bench-out"
@@ -84,11 +86,20 @@ async def drive(family: Family, urls: list[str], workers: list[str], seed: int,
     return summarize(played) | {"hit_rate": hit_rate(before[0], after)}
 
 
+def worker_specs(family: Family, args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
+    """The family's workers; with --kv-wait, keeping a request waiting while its prompt's
+    KV blocks do not fit, as vLLM does (the families were made with workers that
+    over-commit)."""
+    if not args.kv_wait:
+        return tuple(family.workers)
+    return tuple(dataclasses.replace(spec, kv_wait=True) for spec in family.workers)
+
+
 def measure(family: Family, system: System, seed: int, args: argparse.Namespace,
             router_bin: str | None) -> dict[str, float]:  # fmt: skip
     """One measurement: fresh workers, the system in front, the family's load; all stopped."""
     wait_quiet(args.min_idle, args.quiet_wait)
-    worker_procs, workers = start_workers(family.workers)
+    worker_procs, workers = start_workers(worker_specs(family, args))
     procs = list(worker_procs)
     try:
         system_procs, urls = start_system(
@@ -131,6 +142,10 @@ def parse_args() -> argparse.Namespace:
                     help="hetero, longtail: offered load, fraction of capacity")  # fmt: skip
     ap.add_argument("--cache-share", type=float, default=0.5,
                     help="multiturn: fleet KV blocks / all conversations' blocks")  # fmt: skip
+    ap.add_argument("--kv-wait", action="store_true",
+                    help="fake workers keep a request waiting while its prompt's KV blocks "
+                    "do not fit, as vLLM does (default: they over-commit, as the families "
+                    "were made)")  # fmt: skip
     ap.add_argument("--router", help="vllm-router executable (default: bench-out venv or PATH)")
     ap.add_argument("--no-router", action="store_true", help="run the gateway only")
     ap.add_argument("--min-idle", type=float, default=0.5,
@@ -150,7 +165,8 @@ def run_all(
     results: dict[str, dict[str, list[dict]]] = {
         f.name: {s.name: [] for s in chosen} for f in families
     }
-    key = report.doc_key("families", args.replicas, args.gateway_processes).replace(" ", "-")
+    key = report.doc_key("families", args.replicas, args.gateway_processes, args.kv_wait)
+    key = key.replace(" ", "-")
     raw = OUT / f"dispatch-{key}.json"
     for run in range(args.runs):
         for family in families:
@@ -181,15 +197,16 @@ def main() -> None:
         results = run_all(args, families, systems(args, router_bin), router_bin)
     for family in families:
         kinds = {name: kind_of(name) for name in results[family.name]}
-        kinds_of = Counter(w.describe() for w in family.workers)
+        kinds_of = Counter(w.describe() for w in worker_specs(family, args))
         workers = "; ".join(f"{n} x {text}" if n > 1 else text for text, n in kinds_of.items())
         setup = f"{len(family.workers)} workers ({workers}); {family.setup}"
         lines = report.table(results[family.name], kinds, args.runs)
         processes = args.gateway_processes
-        block = report.section(family.name, args.replicas, setup, args.runs, lines, processes)
+        kv = args.kv_wait
+        block = report.section(family.name, args.replicas, setup, args.runs, lines, processes, kv)
         print("\n" + "\n".join(block), flush=True)
         if not args.no_doc:
-            report.write_doc(report.doc_key(family.name, args.replicas, processes), block)
+            report.write_doc(report.doc_key(family.name, args.replicas, processes, kv), block)
 
 
 if __name__ == "__main__":

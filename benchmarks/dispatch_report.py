@@ -75,17 +75,27 @@ def table(results: dict[str, list[dict]], kinds: dict[str, str], runs_wanted: in
 
 
 def section(
-    family: str, replicas: int, setup: str, runs: int, lines: list[str], processes: int = 1
+    family: str,
+    replicas: int,
+    setup: str,
+    runs: int,
+    lines: list[str],
+    processes: int = 1,
+    kv_wait: bool = False,
 ) -> list[str]:
     title = f"#### {family}" + (f", {replicas} replicas of each system" if replicas > 1 else "")
     if processes > 1:
         title += f", the gateway as `serve --processes {processes}`"
+    if kv_wait:
+        title += ", fake workers that keep requests waiting for KV blocks (`--kv-wait`)"
     return [title, "", f"Setup: {setup}; median of {runs} runs.", "", *lines]
 
 
-def doc_key(family: str, replicas: int, processes: int = 1) -> str:
-    """The doc block's name: family, replicas, and the gateway's processes when not 1."""
-    return f"{family} r{replicas}" + (f" p{processes}" if processes > 1 else "")
+def doc_key(family: str, replicas: int, processes: int = 1, kv_wait: bool = False) -> str:
+    """The doc block's name: family, replicas, and the gateway's processes when not 1,
+    and `kv` for workers that wait for KV blocks."""
+    key = f"{family} r{replicas}" + (f" p{processes}" if processes > 1 else "")
+    return key + (" kv" if kv_wait else "")
 
 
 def write_doc(key: str, lines: list[str]) -> None:

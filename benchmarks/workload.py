@@ -31,12 +31,17 @@ class WorkerSpec:
     max_num_seqs: int
     num_gpu_blocks: int | None = None
     prefill_ms_per_token: float = 0.0
+    # A request whose blocks do not fit waits, as in vLLM (False: the cache over-commits,
+    # the fake's behaviour the families were made with; `scripts/bench_dispatch --kv-wait`).
+    kv_wait: bool = False
 
     def args(self) -> list[str]:
         out = ["--model", MODEL, "--ttft-ms", f"{self.ttft_ms:g}", "--tpot-ms", f"{self.tpot_ms:g}"]
         out += ["--max-num-seqs", str(self.max_num_seqs)]
         if self.num_gpu_blocks is not None:
             out += ["--num-gpu-blocks", str(self.num_gpu_blocks)]
+            if not self.kv_wait:
+                out += ["--kv-overcommit"]
         if self.prefill_ms_per_token:
             out += ["--prefill-ms-per-token", f"{self.prefill_ms_per_token:g}"]
         return out
@@ -51,6 +56,7 @@ class WorkerSpec:
         )
         if self.num_gpu_blocks is not None:
             text += f", {self.num_gpu_blocks} KV blocks"
+            text += "" if self.kv_wait else " (over-committed)"
         if self.prefill_ms_per_token:
             text += f", prefill {self.prefill_ms_per_token:g} ms/uncached token"
         return text

@@ -109,6 +109,7 @@ def test_agent_runs_long_sessions_mostly_under_one_system_prompt_on_a_mixed_flee
 def test_the_doc_block_of_a_run_names_its_replicas_and_gateway_processes() -> None:
     assert doc_key("multiturn", 1) == "multiturn r1"  # as before: existing blocks stay
     assert doc_key("multiturn", 2, 2) == "multiturn r2 p2"
+    assert doc_key("docchat", 1, 1, kv_wait=True) == "docchat r1 kv"
 
 
 def test_hit_rate_reads_the_fake_workers_counters() -> None:
