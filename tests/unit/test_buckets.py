@@ -472,3 +472,43 @@ def test_a_queue_frozen_on_the_page_earns_one_token_at_a_time():
     assert not b.has_token(w)  # it moved: not frozen
     report(registry, w, running=250, waiting=7, at=3 * FROZEN_AFTER + 0.5)
     assert b.has_token(w)
+
+
+@pytest.mark.parametrize(
+    ("usage", "cache_tokens", "largest_body", "learned"),
+    [
+        (0.1, 10_000.0, 4_000, 3.0),  # 9000 tokens free, a 1000-token prompt fits: batch
+        (0.9, 10_000.0, 8_000, None),  # 1000 free, 2000 needed: its KV cache, no batch size
+        (0.9, 10_000.0, 2_000, 3.0),  # 1000 free, 500 needed: the batch
+        (None, None, 8_000, 3.0),  # no cache reported: a queue is the batch's
+    ],
+)
+def test_a_queue_the_kv_cache_may_cause_teaches_no_capacity(
+    usage: float | None, cache_tokens: float | None, largest_body: int, learned: float | None
+) -> None:
+    """vLLM keeps a request waiting when its prompt's blocks do not fit, whatever its batch
+    has free: what it runs then is no batch size (bytes per token: 4 until measured)."""
+    registry, w, b = setup()
+    registry.set_stats(w, EngineStats(0, 0, usage, 0.0, cache_tokens))
+    w.inflight += 4
+    w.sent_since_scrape += 4
+    for size in (100, largest_body, 100, 100):
+        b.take(w, True, size)
+    registry.set_stats(w, EngineStats(3, 1, usage, 0.25, cache_tokens), sent=4)
+    assert b.by_worker[w].capacity == learned
+    assert not b.has_token(w)  # either way it has no room now
+
+
+def test_a_kv_bound_queue_takes_the_tokens_a_known_capacity_would_give():
+    registry, w, b = setup()
+    report(registry, w, running=0, waiting=0)
+    send(w, b, 8)
+    report(registry, w, running=7, waiting=1, at=0.25)  # learned: 7
+    finish(w, b, 8)
+    report(registry, w, running=0, waiting=0, at=0.5)
+    assert b.by_worker[w].capacity == 7 and b.has_token(w)
+    b.take(w, True, 40_000)  # a long prompt: 10000 tokens at 4 bytes each
+    registry.set_stats(w, EngineStats(2, 3, 0.5, 0.75, 16_000.0), sent=1)
+    # 8000 tokens free: the oldest waiter may need more. Room for 7 - 2 - 3 by the batch,
+    # but none while the worker keeps requests waiting; the capacity stays 7.
+    assert b.by_worker[w].capacity == 7 and not b.has_token(w)

@@ -78,7 +78,7 @@ from collections.abc import Iterable
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.load import held
 from vllm_gateway.dispatch.still_queue import StillQueue
-from vllm_gateway.workers import Worker
+from vllm_gateway.workers import EngineStats, Worker
 
 # Weight of each new completion in the running mean of log(duration) behind `Worker.pace`:
 # about the last 60 completions count. Log, so one very long request moves it little.
@@ -103,6 +103,12 @@ PROBE_STEP = 1 / 8
 PROBE_MAX = 4096.0
 # Time constant of `TokenBucket.completion_rate`, in seconds.
 RATE_WINDOW = 10.0
+# Request bodies per prompt token, to tell a queue the KV cache causes (`_kv_bound`):
+# about 4 bytes per token of English text (prefix_hash.py's figure); a body also
+# carries its JSON, so this counts a prompt as more tokens than it has, not fewer.
+BYTES_PER_TOKEN = 4.0
+# Half-life, in seconds, of the largest request body a worker was sent (`prompt_peak`).
+PROMPT_PEAK_HALF_LIFE = 10.0
 
 
 class TokenBucket:
@@ -119,9 +125,11 @@ class TokenBucket:
         "log_duration",
         "open",
         "peak",
+        "peak_at",
         "probe_limit",
         "probed_from",
         "probes",
+        "prompt_peak",
         "queued_at",
         "rate_at",
         "still",
@@ -151,6 +159,11 @@ class TokenBucket:
         self.waited = False  # ... and a request waited in the gateway for it
         self.peak = 0.0  # most in flight when it was found full since the last scrape
         self.queued_at = -math.inf  # EngineStats.at of the last scrape showing a queue
+        # The largest request body (bytes) sent to it lately, halving every
+        # PROMPT_PEAK_HALF_LIFE seconds from `peak_at`: what the oldest request waiting in
+        # its queue may need of its KV cache (`_kv_bound`).
+        self.prompt_peak = 0.0
+        self.peak_at: float | None = None
         self.log_duration: float | None = None  # running mean of log(request seconds)
         self.completion_rate = 0.0  # finished requests per second, decayed
         self.rate_at = 0.0  # time.monotonic() of the last completion_rate update
@@ -215,8 +228,9 @@ class Buckets:
         b = self.by_worker.get(worker)
         return b is None or b.open or b.tokens >= 1.0
 
-    def take(self, worker: Worker, gated: bool = True) -> bool:
-        """A request is sent to `worker` (not yet in its in-flight count): take a token.
+    def take(self, worker: Worker, gated: bool = True, size: int = 0) -> bool:
+        """A request of `size` bytes is sent to `worker` (not yet in its in-flight count):
+        take a token.
         Return whether the worker was already full: its last scrape showed a queue, or
         (for a policy that does not ask the gate, `gated` False) its capacity is reached;
         `sent_to_full` counts those."""
@@ -227,6 +241,8 @@ class Buckets:
         b = self.by_worker.get(worker)
         if b is not None:
             b.tokens -= 1.0
+            if size > b.prompt_peak:
+                b.prompt_peak = size
         return full
 
     def refund(self, worker: Worker) -> None:
@@ -300,7 +316,10 @@ class Buckets:
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
         frozen = b.still.frozen(running, waiting, worker.inflight, at)
         if waiting > 0:
-            self._queued(b, running, at)
+            if _kv_bound(b, worker.stats, at):
+                self._kv_queued(b, at)
+            else:
+                self._queued(b, running, at)
         elif b.capacity is None:
             self._slow_start(worker, b, running)
         elif b.demand and running >= b.capacity and at - b.queued_at >= b.holdoff:
@@ -326,6 +345,8 @@ class Buckets:
             b.limit = b.capacity
             own = worker.sent_since_scrape - worker.finished_since_scrape
             b.tokens = b.capacity - running - waiting - own
+            if waiting > 0:  # no room now, whatever the batch has free (`_kv_queued`)
+                b.tokens = min(b.tokens, -waiting - own)
         else:  # queueing, capacity not known yet: only what finishing requests earn
             b.tokens = min(b.tokens, 0.0)
             b.limit = max(1.0, running)
@@ -368,6 +389,16 @@ class Buckets:
         """Let `PROBE_STEP` of `level` (at least one request) through past it."""
         b.base = level
         b.probe_limit = min(PROBE_MAX, level + _step(level))
+
+    @staticmethod
+    def _kv_queued(b: TokenBucket, at: float) -> None:
+        """The worker reports a queue its KV cache may cause (`_kv_bound`): it has no room
+        now, but what it runs is no batch size (it runs more when the prompts it holds
+        share more, or are shorter): close any probe, learn no capacity."""
+        b.probes, b.probed_from = 0, None
+        if b.base is not None:
+            b.probe_limit, b.base = b.base, None
+        b.queued_at = at
 
     @staticmethod
     def _queued(b: TokenBucket, running: float, at: float) -> None:
@@ -429,6 +460,22 @@ class Buckets:
         """Drop the buckets of workers no longer in the registry."""
         for w in [w for w in self.by_worker if w not in present]:
             del self.by_worker[w]
+
+
+def _kv_bound(b: TokenBucket, stats: EngineStats | None, at: float) -> bool:
+    """Whether a queue the worker reports may be its KV cache's doing rather than its
+    batch's: vLLM leaves a request waiting when its prompt's blocks do not fit beside
+    those its running requests hold, whatever the batch has free. So when the free part
+    of the cache (`vllm:kv_cache_usage_perc` of `vllm:cache_config_info`'s size) is less
+    than the largest prompt sent to it lately may need, the queue says nothing of a batch
+    size. False when the worker does not report its cache."""
+    if b.peak_at is not None:
+        b.prompt_peak *= 0.5 ** (max(0.0, at - b.peak_at) / PROMPT_PEAK_HALF_LIFE)
+    b.peak_at = at
+    if stats is None or stats.kv_cache_usage is None or not stats.cache_tokens:
+        return False
+    free = (1.0 - stats.kv_cache_usage) * stats.cache_tokens
+    return free < b.prompt_peak / BYTES_PER_TOKEN
 
 
 def _step(level: float) -> float:

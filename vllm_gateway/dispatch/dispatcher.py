@@ -286,7 +286,7 @@ class Dispatcher:
             self.on_placed(policy, info, worker)
         if more and worker in more:
             self.buckets.stretch(worker)
-        full = self.buckets.take(worker, gated=policy.load_aware)  # before counting it in
+        full = self.buckets.take(worker, policy.load_aware, len(info.body))  # before counting
         worker.inflight += 1
         _count_model(worker, info.model, 1)
         worker.sent_since_scrape += 1
