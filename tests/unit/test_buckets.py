@@ -512,3 +512,18 @@ def test_a_kv_bound_queue_takes_the_tokens_a_known_capacity_would_give():
     # 8000 tokens free: the oldest waiter may need more. Room for 7 - 2 - 3 by the batch,
     # but none while the worker keeps requests waiting; the capacity stays 7.
     assert b.by_worker[w].capacity == 7 and not b.has_token(w)
+
+
+def test_the_largest_body_counts_from_when_it_was_sent():
+    """A long prompt sent just before a queue makes it KV-bound however long the quiet
+    before; one sent an hour before no longer does."""
+    registry, w, b = setup()
+    registry.set_stats(w, EngineStats(0, 0, 0.5, 0.0, 16_000.0))
+    b.take(w, True, 40_000)  # 10000 tokens, more than the 8000 free
+    registry.set_stats(w, EngineStats(1, 0, 0.5, 0.25, 16_000.0), sent=1)
+    registry.set_stats(w, EngineStats(2, 1, 0.5, 3600.0, 16_000.0))
+    assert b.by_worker[w].capacity == 2  # an hour on: a batch's queue
+    registry.set_stats(w, EngineStats(0, 0, 0.5, 3700.0, 16_000.0))
+    b.take(w, True, 40_000)
+    registry.set_stats(w, EngineStats(1, 1, 0.5, 3700.25, 16_000.0), sent=1)
+    assert b.by_worker[w].capacity == 2  # just sent: the KV cache's, nothing learned

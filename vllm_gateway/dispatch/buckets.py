@@ -132,6 +132,7 @@ class TokenBucket:
         "prompt_peak",
         "queued_at",
         "rate_at",
+        "sent_peak",
         "still",
         "tokens",
         "waited",
@@ -159,9 +160,11 @@ class TokenBucket:
         self.waited = False  # ... and a request waited in the gateway for it
         self.peak = 0.0  # most in flight when it was found full since the last scrape
         self.queued_at = -math.inf  # EngineStats.at of the last scrape showing a queue
-        # The largest request body (bytes) sent to it lately, halving every
-        # PROMPT_PEAK_HALF_LIFE seconds from `peak_at`: what the oldest request waiting in
-        # its queue may need of its KV cache (`_kv_bound`).
+        # The largest request body (bytes) sent to it lately: the largest since the last
+        # scrape (`sent_peak`), folded at each scrape into `prompt_peak`, which halves
+        # every PROMPT_PEAK_HALF_LIFE seconds (from `peak_at`, the last scrape's time):
+        # what the oldest request waiting in its queue may need of its KV cache.
+        self.sent_peak = 0
         self.prompt_peak = 0.0
         self.peak_at: float | None = None
         self.log_duration: float | None = None  # running mean of log(request seconds)
@@ -241,8 +244,8 @@ class Buckets:
         b = self.by_worker.get(worker)
         if b is not None:
             b.tokens -= 1.0
-            if size > b.prompt_peak:
-                b.prompt_peak = size
+            if size > b.sent_peak:
+                b.sent_peak = size
         return full
 
     def refund(self, worker: Worker) -> None:
@@ -314,9 +317,10 @@ class Buckets:
     ) -> None:
         b.waiting = waiting
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
+        _fold_peak(b, at)
         frozen = b.still.frozen(running, waiting, worker.inflight, at)
         if waiting > 0:
-            if _kv_bound(b, worker.stats, at):
+            if _kv_bound(b, worker.stats):
                 self._kv_queued(b, at)
             else:
                 self._queued(b, running, at)
@@ -345,7 +349,7 @@ class Buckets:
             b.limit = b.capacity
             own = worker.sent_since_scrape - worker.finished_since_scrape
             b.tokens = b.capacity - running - waiting - own
-            if waiting > 0:  # no room now, whatever the batch has free (`_kv_queued`)
+            if waiting > 0:  # no room now, whatever its batch has free (a KV-bound queue)
                 b.tokens = min(b.tokens, -waiting - own)
         else:  # queueing, capacity not known yet: only what finishing requests earn
             b.tokens = min(b.tokens, 0.0)
@@ -462,16 +466,24 @@ class Buckets:
             del self.by_worker[w]
 
 
-def _kv_bound(b: TokenBucket, stats: EngineStats | None, at: float) -> bool:
+def _fold_peak(b: TokenBucket, at: float) -> None:
+    """A scrape at `at`: `prompt_peak` decays since the last one, then takes in the largest
+    body sent since (`sent_peak`)."""
+    if b.peak_at is not None:
+        b.prompt_peak *= 0.5 ** (max(0.0, at - b.peak_at) / PROMPT_PEAK_HALF_LIFE)
+    b.peak_at = at
+    if b.sent_peak > b.prompt_peak:
+        b.prompt_peak = b.sent_peak
+    b.sent_peak = 0
+
+
+def _kv_bound(b: TokenBucket, stats: EngineStats | None) -> bool:
     """Whether a queue the worker reports may be its KV cache's doing rather than its
     batch's: vLLM leaves a request waiting when its prompt's blocks do not fit beside
     those its running requests hold, whatever the batch has free. So when the free part
     of the cache (`vllm:kv_cache_usage_perc` of `vllm:cache_config_info`'s size) is less
     than the largest prompt sent to it lately may need, the queue says nothing of a batch
     size. False when the worker does not report its cache."""
-    if b.peak_at is not None:
-        b.prompt_peak *= 0.5 ** (max(0.0, at - b.peak_at) / PROMPT_PEAK_HALF_LIFE)
-    b.peak_at = at
     if stats is None or stats.kv_cache_usage is None or not stats.cache_tokens:
         return False
     free = (1.0 - stats.kv_cache_usage) * stats.cache_tokens

@@ -20,12 +20,12 @@ class PrefillLane:
     """One worker's prefill compute: a FIFO lock held for the prefill's duration.
 
         async with lane.turn():                 # wait for the lane (FIFO)
-            seq = cache.admit(...)              # the prefix cache, looked up now
+            cache.refresh(seq)                  # the prefix cache, looked up again now
             await lane.compute(seq.uncached_tokens)
 
-    The prompt is looked up in the prefix cache when its prefill starts, not when it
-    arrives, as vLLM looks it up when it schedules the request: one queued behind the
-    prefill of the same prefix finds it cached.
+    The prompt's blocks are claimed when it is admitted to the batch (scheduler.py), and
+    looked up again when its prefill starts: one queued behind the prefill of the same
+    prefix finds it cached.
     """
 
     def __init__(self, ms_per_token: float) -> None:

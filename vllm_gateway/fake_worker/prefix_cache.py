@@ -29,7 +29,9 @@ Pure bookkeeping (no asyncio, no clock), shaped after vLLM V1's KV-cache manager
   before its head (as vLLM's free queue does).
 - With `capacity=None` nothing is ever evicted. With a capacity, a running sequence's
   generated tokens still get blocks past it (the fake does not preempt, where vLLM
-  would); usage then reads 1.0.
+  would); usage then reads 1.0. A sequence holds its blocks until it ends: one whose
+  client stalls (the `stall_midstream` fault, a slow reader) holds them for as long,
+  and a request whose blocks do not fit waits that long (vLLM would finish generating).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ class Sequence:
     pending: list[int]  # hashes of prompt blocks it is computing (held privately until commit)
     private: int  # blocks held without a hash: pending ones, a partial block, generated tokens
     tokens: int  # tokens the sequence holds (prompt + generated so far)
-    hit_tokens: int  # prompt tokens found in the cache at admission
+    hit_tokens: int  # prompt tokens found in the cache (at the claim, then at `refresh`)
     parent: int  # chained hash of the last full block (the model's seed before any)
     tail: list[int]  # computed token ids after that block, fewer than a block
     released: bool = field(default=False)
