@@ -41,29 +41,22 @@ is, first found first:
    probe: `PROBE_STEP` of the level, at least one). A scrape that shows the worker running
    more than the level doubles the level (slow start), and while requests wait in the
    gateway for it, probes past the new one at once (limits 8, 9, 18, 36, 72, ...: one
-   scrape each); one that shows a queue teaches the capacity.
+   scrape each); one that shows a queue teaches the capacity, unless the queue may be
+   the KV cache's (kv_queue.py): then it teaches nothing.
 
-The level doubles only on evidence of room, a scrape that shows the worker running more
-than the level, never on the absence of a queue alone: a queue that came and went
-between two scrapes (a request waited a moment for a slot, then ran) is never seen. And
-a probe is an eighth of the level (one request up to 15), not a doubling: a worker whose
-capacity is the level itself (batch sizes are usually powers of two, as the levels are)
-holds that much in its queue, not a level's worth, and a burst that
-finds every worker full does not pour the admission queue into the workers' queues.
+The level doubles only on evidence of room (a scrape that shows the worker running more
+than the level), never on the absence of a queue, which may have come and gone between
+two scrapes; a probe is an eighth of the level, not a doubling (docs/dispatch.md says
+why).
 
 A request the policy would rather send to a worker held back only by its probing limit
-(3), and says it should (cache_aware: a later turn, to the worker it prefers), goes there
-itself, as the probe (`stretch`), one request at a time up to twice the level, rather
-than elsewhere to prefill again what that worker holds.
+(3), and says so (`Policy.stretches`), goes there as the probe (`stretch`), one at a
+time up to twice the level, rather than elsewhere to prefill what that worker holds.
 
-Probing (2 and 3) happens only while it is needed: when a request found no room on the
-worker since the last scrape (`note_demand`) and waited; for the probing limit (3), also
-when it went to another worker instead and the policy would rather have had this one
-(`Policy.preferred`: cache_aware's holders of its history or preamble). A request that
-went elsewhere at no cost asks for no probe: each probe past a worker's true capacity
-queues a request inside it. A worker nothing finds full is never overshot. Without a
-fresh scrape there is no evidence either way and no probing limit:
-the gate is open (the policies fall back to in-flight counts).
+Probing (2 and 3) happens only under demand (`note_demand`): a request found no room on
+the worker and waited, or, for the probing limit, went elsewhere though the policy would
+rather have had this worker (`Policy.preferred`). A worker nothing finds full is never
+overshot. Without a fresh scrape there is no probing limit: the gate is open.
 
 Dispatch owns the buckets and calls `on_stats`, `take` and `on_release`; everything here is
 plain attributes, read as they are by telemetry.
@@ -76,9 +69,10 @@ import time
 from collections.abc import Iterable
 
 from vllm_gateway.config.gateway import DispatchConfig
+from vllm_gateway.dispatch.kv_queue import PromptPeak
 from vllm_gateway.dispatch.load import held
 from vllm_gateway.dispatch.still_queue import StillQueue
-from vllm_gateway.workers import EngineStats, Worker
+from vllm_gateway.workers import Worker
 
 # Weight of each new completion in the running mean of log(duration) behind `Worker.pace`:
 # about the last 60 completions count. Log, so one very long request moves it little.
@@ -101,14 +95,7 @@ PROBE_START = 8.0
 # between engine steps, sending its last bytes).
 PROBE_STEP = 1 / 8
 PROBE_MAX = 4096.0
-# Time constant of `TokenBucket.completion_rate`, in seconds.
-RATE_WINDOW = 10.0
-# Request bodies per prompt token, to tell a queue the KV cache causes (`_kv_bound`):
-# about 4 bytes per token of English text (prefix_hash.py's figure); a body also
-# carries its JSON, so this counts a prompt as more tokens than it has, not fewer.
-BYTES_PER_TOKEN = 4.0
-# Half-life, in seconds, of the largest request body a worker was sent (`prompt_peak`).
-PROMPT_PEAK_HALF_LIFE = 10.0
+RATE_WINDOW = 10.0  # time constant of `TokenBucket.completion_rate`, in seconds
 
 
 class TokenBucket:
@@ -125,14 +112,12 @@ class TokenBucket:
         "log_duration",
         "open",
         "peak",
-        "peak_at",
         "probe_limit",
         "probed_from",
         "probes",
-        "prompt_peak",
+        "prompt",
         "queued_at",
         "rate_at",
-        "sent_peak",
         "still",
         "tokens",
         "waited",
@@ -160,13 +145,7 @@ class TokenBucket:
         self.waited = False  # ... and a request waited in the gateway for it
         self.peak = 0.0  # most in flight when it was found full since the last scrape
         self.queued_at = -math.inf  # EngineStats.at of the last scrape showing a queue
-        # The largest request body (bytes) sent to it lately: the largest since the last
-        # scrape (`sent_peak`), folded at each scrape into `prompt_peak`, which halves
-        # every PROMPT_PEAK_HALF_LIFE seconds (from `peak_at`, the last scrape's time):
-        # what the oldest request waiting in its queue may need of its KV cache.
-        self.sent_peak = 0
-        self.prompt_peak = 0.0
-        self.peak_at: float | None = None
+        self.prompt = PromptPeak()  # the largest body it was sent lately (kv_queue.py)
         self.log_duration: float | None = None  # running mean of log(request seconds)
         self.completion_rate = 0.0  # finished requests per second, decayed
         self.rate_at = 0.0  # time.monotonic() of the last completion_rate update
@@ -244,8 +223,9 @@ class Buckets:
         b = self.by_worker.get(worker)
         if b is not None:
             b.tokens -= 1.0
-            if size > b.sent_peak:
-                b.sent_peak = size
+            prompt = b.prompt
+            if size > prompt.sent:
+                prompt.sent = size
         return full
 
     def refund(self, worker: Worker) -> None:
@@ -317,10 +297,10 @@ class Buckets:
     ) -> None:
         b.waiting = waiting
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
-        _fold_peak(b, at)
+        b.prompt.fold(at)
         frozen = b.still.frozen(running, waiting, worker.inflight, at)
         if waiting > 0:
-            if _kv_bound(b, worker.stats):
+            if b.prompt.kv_bound(worker.stats):
                 self._kv_queued(b, at)
             else:
                 self._queued(b, running, at)
@@ -396,9 +376,8 @@ class Buckets:
 
     @staticmethod
     def _kv_queued(b: TokenBucket, at: float) -> None:
-        """The worker reports a queue its KV cache may cause (`_kv_bound`): it has no room
-        now, but what it runs is no batch size (it runs more when the prompts it holds
-        share more, or are shorter): close any probe, learn no capacity."""
+        """A queue its KV cache may cause (kv_queue.py): no room now, but what it runs is
+        no batch size. Close any probe, learn no capacity."""
         b.probes, b.probed_from = 0, None
         if b.base is not None:
             b.probe_limit, b.base = b.base, None
@@ -464,30 +443,6 @@ class Buckets:
         """Drop the buckets of workers no longer in the registry."""
         for w in [w for w in self.by_worker if w not in present]:
             del self.by_worker[w]
-
-
-def _fold_peak(b: TokenBucket, at: float) -> None:
-    """A scrape at `at`: `prompt_peak` decays since the last one, then takes in the largest
-    body sent since (`sent_peak`)."""
-    if b.peak_at is not None:
-        b.prompt_peak *= 0.5 ** (max(0.0, at - b.peak_at) / PROMPT_PEAK_HALF_LIFE)
-    b.peak_at = at
-    if b.sent_peak > b.prompt_peak:
-        b.prompt_peak = b.sent_peak
-    b.sent_peak = 0
-
-
-def _kv_bound(b: TokenBucket, stats: EngineStats | None) -> bool:
-    """Whether a queue the worker reports may be its KV cache's doing rather than its
-    batch's: vLLM leaves a request waiting when its prompt's blocks do not fit beside
-    those its running requests hold, whatever the batch has free. So when the free part
-    of the cache (`vllm:kv_cache_usage_perc` of `vllm:cache_config_info`'s size) is less
-    than the largest prompt sent to it lately may need, the queue says nothing of a batch
-    size. False when the worker does not report its cache."""
-    if stats is None or stats.kv_cache_usage is None or not stats.cache_tokens:
-        return False
-    free = (1.0 - stats.kv_cache_usage) * stats.cache_tokens
-    return free < b.prompt_peak / BYTES_PER_TOKEN
 
 
 def _step(level: float) -> float:

@@ -74,10 +74,7 @@ class Engine:
         ttft, tpot = self.config.ttft_ms / 1000, self.config.tpot_ms / 1000
         m, cache, lane = self.metrics, self.cache, self.prefill_lane
         role = answer_role if cache.capacity is not None else None  # _made says why
-        # It runs once a batch slot is free and its prompt's blocks fit (scheduler.py).
-        claim = functools.partial(cache.claim, model, prompt)
-        if self.config.kv_overcommit:  # every claim is forced (the cache over-commits)
-            claim = functools.partial(_forced, claim)
+        claim = self._claim(model, prompt)  # it runs once a slot is free and its blocks fit
         async with self.scheduler.claimed(model, claim, cache.release) as seq:
             try:
                 # The cache is looked up again when the prefill starts (prefill.py says why).
@@ -113,6 +110,12 @@ class Engine:
         m.e2e.observe(end - arrival)
         if n > 1:
             m.tpot.observe((end - first) / (n - 1))
+
+    def _claim(self, model: str, prompt: list[int]) -> Callable[[bool], Sequence | None]:
+        """The prompt's claim on the KV cache (scheduler.py); always forced with
+        --kv-overcommit (the cache over-commits, where vLLM keeps the request waiting)."""
+        claim = functools.partial(self.cache.claim, model, prompt)
+        return functools.partial(_forced, claim) if self.config.kv_overcommit else claim
 
     async def prefill(self, model: str, prompt: int) -> None:
         """Pooling requests (embed, score, rerank) hold a slot for one prefill."""

@@ -1,0 +1,49 @@
+"""Whether a worker's queue may be its KV cache's doing rather than its batch's.
+
+vLLM keeps a request waiting while its prompt's blocks do not fit beside those its
+running requests hold, whatever its batch has free, and admits nobody behind it
+meanwhile. What it runs then is no batch size (buckets.py learns one from a queue). A
+queue is taken for the KV cache's when the free part of the cache
+(`1 - vllm:kv_cache_usage_perc` of `vllm:cache_config_info`'s size in tokens) is less
+than the largest prompt sent to the worker lately may need: the largest request body,
+at `BYTES_PER_TOKEN`, halving every `HALF_LIFE` seconds from when it was sent.
+"""
+
+from __future__ import annotations
+
+from vllm_gateway.workers import EngineStats
+
+# Request body bytes per prompt token: about 4 per token of English text (prefix_hash.py's
+# figure); a body also carries its JSON, so a prompt counts as more tokens than it has.
+BYTES_PER_TOKEN = 4.0
+# Half-life, in seconds, of the largest request body a worker was sent.
+HALF_LIFE = 10.0
+
+
+class PromptPeak:
+    """The largest request body (bytes) one worker was sent lately."""
+
+    __slots__ = ("at", "peak", "sent")
+
+    def __init__(self) -> None:
+        self.sent = 0  # the largest since the last scrape (dispatch sets it as it sends)
+        self.peak = 0.0  # folded in at each scrape, halving every HALF_LIFE seconds
+        self.at: float | None = None  # EngineStats.at of the last scrape
+
+    def fold(self, at: float) -> None:
+        """A scrape at `at`: the peak decays since the last one, then takes in the largest
+        body sent since."""
+        if self.at is not None:
+            self.peak *= 0.5 ** (max(0.0, at - self.at) / HALF_LIFE)
+        self.at = at
+        if self.sent > self.peak:
+            self.peak = self.sent
+        self.sent = 0
+
+    def kv_bound(self, stats: EngineStats | None) -> bool:
+        """Whether a queue in `stats` may be the KV cache's (False when the worker does not
+        report its cache)."""
+        if stats is None or stats.kv_cache_usage is None or not stats.cache_tokens:
+            return False
+        free = (1.0 - stats.kv_cache_usage) * stats.cache_tokens
+        return free < self.peak / BYTES_PER_TOKEN
