@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from vllm_gateway.fake_worker.config import FakeWorkerConfig
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
 from vllm_gateway.fake_worker.prefill import PrefillLane
-from vllm_gateway.fake_worker.prefix_cache import PrefixCache, Sequence
+from vllm_gateway.fake_worker.prefix_cache import PrefixCache
 from vllm_gateway.fake_worker.scheduler import Scheduler
 from vllm_gateway.fake_worker.stats import FakeStats
 from vllm_gateway.fake_worker.tokens import answer_token_id as answer_id
@@ -34,17 +34,13 @@ def _made(role: str | None, start: int, stop: int) -> Iterable[int]:
     return (answer_id(j, role) for j in range(start, stop))
 
 
-def _forced(claim: Callable[[bool], Sequence | None], force: bool) -> Sequence | None:
-    return claim(True)
-
-
 class Engine:
     """Runs requests like vLLM's engine would time them, one coroutine per request."""
 
     def __init__(self, config: FakeWorkerConfig, stats: FakeStats) -> None:
         self.config = config
         self.scheduler = Scheduler(config.max_num_seqs, stats)
-        self.cache = PrefixCache(config.block_size, config.num_gpu_blocks)
+        self.cache = PrefixCache(config.block_size, config.num_gpu_blocks, config.kv_overcommit)
         self.prefill_lane = PrefillLane(config.prefill_ms_per_token)
         self.metrics = EngineMetrics(
             config.base_model, len(config.lora_adapters), config.legacy_metrics
@@ -74,7 +70,7 @@ class Engine:
         ttft, tpot = self.config.ttft_ms / 1000, self.config.tpot_ms / 1000
         m, cache, lane = self.metrics, self.cache, self.prefill_lane
         role = answer_role if cache.capacity is not None else None  # _made says why
-        claim = self._claim(model, prompt)  # it runs once a slot is free and its blocks fit
+        claim = functools.partial(cache.claim, model, prompt)  # runs once its blocks fit
         async with self.scheduler.claimed(model, claim, cache.release) as seq:
             try:
                 # The cache is looked up again when the prefill starts (prefill.py says why).
@@ -110,12 +106,6 @@ class Engine:
         m.e2e.observe(end - arrival)
         if n > 1:
             m.tpot.observe((end - first) / (n - 1))
-
-    def _claim(self, model: str, prompt: list[int]) -> Callable[[bool], Sequence | None]:
-        """The prompt's claim on the KV cache (scheduler.py); always forced with
-        --kv-overcommit (the cache over-commits, where vLLM keeps the request waiting)."""
-        claim = functools.partial(self.cache.claim, model, prompt)
-        return functools.partial(_forced, claim) if self.config.kv_overcommit else claim
 
     async def prefill(self, model: str, prompt: int) -> None:
         """Pooling requests (embed, score, rerank) hold a slot for one prefill."""

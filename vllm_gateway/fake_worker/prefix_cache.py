@@ -80,9 +80,10 @@ class Sequence:
 class PrefixCache:
     """The block pool of one worker: cached blocks by hash, pinned or evictable."""
 
-    def __init__(self, block_size: int, capacity: int | None) -> None:
+    def __init__(self, block_size: int, capacity: int | None, overcommit: bool = False) -> None:
         self.block_size = block_size
         self.capacity = capacity
+        self.overcommit = overcommit  # claims never refused (--kv-overcommit)
         self._refs: dict[int, int] = {}  # cached block hash -> sequences pinning it
         self._evictable: OrderedDict[int, None] = OrderedDict()  # refs == 0, LRU first
         self._private = 0  # blocks held by sequences without a hash
@@ -119,7 +120,8 @@ class PrefixCache:
     def claim(self, model: str, token_ids: list[int], force: bool = False) -> Sequence | None:
         """Pin what hits and hold blocks for the rest of the prompt; None (nothing held)
         when those do not fit in the capacity beside the blocks running sequences hold,
-        unless `force` (the caller runs nothing else: the prompt could wait for good)."""
+        unless `force` (the caller runs nothing else: the prompt could wait for good) or
+        the cache over-commits."""
         size = self.block_size
         hashes = block_hashes(model, token_ids, size)
         # vLLM computes at least the last prompt token, so it never hits the whole prompt.
@@ -129,7 +131,7 @@ class PrefixCache:
         while hit < limit and hashes[hit] in refs:
             hit += 1
         rest = -(-len(token_ids) // size) - hit
-        if self.capacity is not None and not force:
+        if self.capacity is not None and not (force or self.overcommit):
             # Cached blocks nobody uses are free to evict, but not the ones it hits:
             # pinning those takes them out of the free pool (as vLLM's allocate_slots).
             revived = sum(1 for h in hashes[:hit] if h in self._evictable)
