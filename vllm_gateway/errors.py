@@ -23,7 +23,7 @@
         │   └── GatewayStopping 503 (shut down before the worker answered)
         └── UpstreamError       502 (a worker failed before answering)
             ├── WorkerUnreachable   502, retryable: no request byte reached the worker
-            │                          (its client gets 503: dispatcher.unreachable_answer)
+            │                          (its client gets 503: lease.unreachable_answer)
             ├── WorkerRefused       503, retryable: the worker answered 503/429 (not relayed)
             └── UpstreamTimeout     504
 

@@ -103,6 +103,8 @@ class Worker:
         "finished_since_scrape",
         "inflight",
         "inflight_by_model",
+        "kv_binds",
+        "kv_free",
         "max_num_seqs",
         "miss",
         "models",
@@ -152,6 +154,13 @@ class Worker:
         self.sent_since_scrape = 0  # requests sent since `stats` was taken
         self.finished_since_scrape = 0  # requests that ended since `stats` was taken
         self.stats: EngineStats | None = None  # None: never scraped, or the snapshot is stale
+        # Whether its KV cache has been seen to bind: vLLM kept requests waiting while it
+        # ran far fewer than it has run (dispatch/kv_queue.py). Then `kv_free`: the tokens
+        # its free KV blocks hold at its last scrape, (1 - vllm:kv_cache_usage_perc) x its
+        # cache size (usage counts the blocks running requests hold; cached blocks nobody
+        # holds are free to evict). Infinite otherwise, or while not reported (or stale).
+        self.kv_binds = False
+        self.kv_free = math.inf
         # Requests other senders had on it at its last scrape (other replicas of the
         # gateway, sibling processes, clients that go around the gateway): what it reported
         # running and waiting beyond the most of this process's requests it may have
@@ -362,6 +371,7 @@ class WorkerRegistry:
         the most of this process's requests the page may count (default: its in-flight
         count now); what the page counts beyond that is `Worker.others`.
         """
+        worker.kv_free = math.inf
         if stats is not None:
             note_cache(worker, worker.stats, stats)
             mine = worker.inflight if own is None else own

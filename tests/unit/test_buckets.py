@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from vllm_gateway.config.gateway import DispatchConfig
@@ -527,3 +529,34 @@ def test_the_largest_body_counts_from_when_it_was_sent():
     b.take(w, True, 40_000)
     registry.set_stats(w, EngineStats(1, 1, 0.5, 3700.25, 16_000.0), sent=1)
     assert b.by_worker[w].capacity == 2  # just sent: the KV cache's, nothing learned
+
+
+@pytest.mark.parametrize(
+    ("scrapes", "binds", "free"),
+    [
+        # (running, waiting, usage) per scrape; the cache holds 16000 tokens; a 40000-byte
+        # prompt (10000 tokens) was sent before each.
+        ([(8, 0, 0.5), (3, 2, 0.9)], True, 1600.0),  # a queue at 3 after running 8: the KV's
+        ([(8, 0, 0.5), (3, 2, 0.9), (1, 0, 0.25)], True, 12000.0),  # ...and stays known
+        ([(8, 0, 0.5), (8, 2, 1.0)], False, math.inf),  # a queue at its most: the batch's
+        ([(8, 0, 0.5), (7, 2, 1.0)], False, math.inf),  # a scrape a request short: still
+        ([(8, 0, 0.1), (3, 2, 0.1)], False, math.inf),  # room for the prompt: not the KV's
+        ([(8, 0, None), (3, 2, None)], False, math.inf),  # no cache reported
+    ],
+)
+def test_a_worker_whose_kv_cache_binds_is_told_from_one_whose_batch_does(
+    scrapes: list[tuple[float, float, float | None]], binds: bool, free: float
+) -> None:
+    """vLLM keeps requests waiting for KV blocks while it runs fewer than its batch holds;
+    a full batch queues at its most. Only a worker seen doing the first has its free KV
+    blocks counted (`Worker.kv_free`, tokens) by placement (docs/dispatch.md "No copy
+    into a full KV cache"): one whose cache is over-committed reads usage 1.0 for good."""
+    registry, w, b = setup()
+    for i, (running, waiting, usage) in enumerate(scrapes):
+        b.take(w, True, 40_000)
+        cache = 16_000.0 if usage is not None else None
+        registry.set_stats(w, EngineStats(running, waiting, usage, 0.25 * i, cache))
+    assert w.kv_binds is binds
+    assert w.kv_free == pytest.approx(free)
+    registry.set_stats(w, None)  # stale: nothing known
+    assert w.kv_free == math.inf

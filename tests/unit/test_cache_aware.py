@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import zlib
 from collections import Counter
@@ -568,6 +569,33 @@ def test_a_preambles_overflow_goes_to_its_next_worker_in_every_replica():
         hot += spilled
 
 
+@pytest.mark.parametrize(
+    ("usage", "spills"),
+    [
+        (0.99, False),  # 100 tokens free: no room for the 1500-byte preamble's copy
+        (0.5, True),  # 5000 free: room
+        (None, True),  # the cache not reported: as before
+    ],
+)
+def test_a_preambles_overflow_goes_only_where_its_kv_cache_has_room_for_it(usage, spills):
+    """Past the load bound on its home, a preamble's new conversations go to its next
+    worker only when that worker has free KV blocks for the preamble's copy (vLLM's usage
+    gauge: blocks its running requests hold). Where its cache is held, the copy would wait
+    there for blocks, and hold up the requests behind it: the home takes them, past its
+    bound."""
+    ws = workers(4)
+    systems = [f"system prompt number {s} " * 60 for s in range(4)]
+    p = policy()
+    homes = {s: next(iter(on)) for s, on in preambles_placed(p, ws, systems, 200).items()}
+    home = homes[0]
+    p.index = PrefixIndex()  # no worker but its home is known to hold the preamble
+    home.inflight = 40  # far past its fair share
+    for w in ws:
+        w.kv_free = (1.0 - usage) * 10_000.0 if usage is not None else math.inf  # (a scrape)
+    placed = preambles_placed(p, ws, systems, 40, 0, "new-")[0]
+    assert (set(placed) != {home}) is spills, placed
+
+
 @pytest.mark.parametrize(("answer", "back"), [("a short answer", True), (long("a", 2000), False)])
 def test_a_conversation_that_strayed_from_its_preambles_worker_goes_back_if_shorter(answer, back):
     """A first turn sent away from its preamble's planned worker (full then) copies the
@@ -940,3 +968,31 @@ def test_only_a_later_turn_stretches_a_guessed_limit():
     assert not p.stretches(info(chat("hello")))
     assert not p.stretches(info(question(1, 2)))
     assert not p.stretches(info({"model": "m", "prompt": [1, 2, 3]}))
+
+
+@pytest.mark.parametrize(
+    ("home_free", "other_free", "goes_home"),
+    [
+        (math.inf, math.inf, True),  # caches not reported: its history's holder
+        (10_000.0, 0.0, True),  # room where its history is: there
+        (0.0, 10_000.0, False),  # none there, room elsewhere: elsewhere, not stalled
+        (0.0, 0.0, True),  # room nowhere: no candidate is left out
+        (100.0, 500.0, True),  # room there for what it adds, not elsewhere for all of it
+    ],
+)
+def test_a_worker_without_free_kv_blocks_for_what_it_would_prefill_is_left_out(
+    home_free, other_free, goes_home
+):
+    """vLLM keeps a request waiting while its prompt's blocks do not fit beside those its
+    running requests hold, and everyone behind it: a candidate whose free blocks
+    (`Worker.kv_free`, tokens) do not hold what the request would prefill there is left
+    out, unless that leaves none. Its history's holder adds a block or two; any other
+    worker prefills the whole prompt (about 1200 tokens at 4 bytes each)."""
+    ws = workers(2)
+    p = policy()
+    first = chat("q " * 2000)
+    home = p.select(ws, info(first))
+    other = ws[1] if home is ws[0] else ws[0]
+    home.kv_free, other.kv_free = home_free, other_free
+    later = chat("q " * 2000, "an answer", "next")
+    assert (p.select(ws, info(later)) is home) is goes_home

@@ -329,3 +329,101 @@ async def test_a_policy_without_preferences_probes_every_gated_worker_it_went_pa
     async with d.lease(info()) as lease:
         assert lease.worker is ws[1]
     assert d.buckets.bucket(ws[0]).demand
+
+
+async def _holder_full(d, registry, ws, release):
+    """Place a conversation's first turn, then fill its holder (a configured capacity of
+    1, held by another request until `release`): (the holder, the other, the holding task)."""
+    for w in ws:
+        room(registry, w)
+    async with d.lease(chat_info("the first question")) as lease:
+        home = lease.worker
+    other = ws[1] if home is ws[0] else ws[0]
+    home.max_num_seqs = 1
+    home.kv_binds = True  # its KV cache was seen to bind (kv_queue.py)
+    order: list = []
+    holding = asyncio.create_task(hold(d, 0, order, release))
+    await asyncio.sleep(0)
+    assert order and order[0][1].worker is home  # (a request without text: by load)
+    return home, other, holding
+
+
+async def test_a_later_turn_waits_for_its_full_holder_and_others_go_past_it():
+    """A later turn whose history's holder is full waits in the gateway for it, within its
+    patience (one request's time there, 1 / pace), rather than prefill its history
+    again elsewhere; a request behind it that prefers nothing goes first, to the worker
+    with room; the holder's first freed slot is the later turn's."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace = 0.2  # a request takes 5 s there: patience enough for this test
+    later = chat_info("the first question", "an answer", "next")
+    got: list = []
+
+    async def turn():
+        async with d.lease(later) as lease:
+            got.append((lease.worker, lease.waited))
+
+    waiting = asyncio.create_task(turn())
+    await asyncio.sleep(0.02)
+    assert not got and d.admission.depth == 1  # it waits (the other worker has room)
+    async with d.lease(info(7)) as lease:
+        assert lease.worker is other  # past the patient one, to the worker with room
+    assert not got
+    release.set()  # the holder's slot frees: the later turn takes it
+    await holding
+    await waiting
+    assert got[0][0] is home and got[0][1] > 0.0
+    assert d.admission.depth == 0 and home.inflight == 0
+
+
+async def test_a_patient_request_goes_elsewhere_once_its_patience_is_over():
+    """Patience is one request's time on the holder (1 / pace): past it, the next event
+    (a scrape here) sends the later turn to the worker with room."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace = 20.0  # 50 ms
+    got: list = []
+
+    async def turn():
+        async with d.lease(chat_info("the first question", "an answer", "next")) as lease:
+            got.append((lease.worker, lease.waited))
+
+    waiting = asyncio.create_task(turn())
+    await asyncio.sleep(0.02)
+    room(registry, other)  # an event before its patience ends: it still waits
+    await asyncio.sleep(0)
+    assert not got
+    await asyncio.sleep(0.06)
+    room(registry, other)  # past it: the worker with room takes it
+    await waiting
+    assert got[0][0] is other and got[0][1] >= 0.05
+    release.set()
+    await holding
+
+
+async def test_without_a_known_pace_a_request_does_not_wait_for_its_holder():
+    """Patience comes from the holder's own pace; before one is known (no request
+    finished there yet), a later turn goes to the worker with room at once."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace = 0.0
+    async with d.lease(chat_info("the first question", "an answer", "next")) as lease:
+        assert lease.worker is other and lease.waited == 0.0
+    release.set()
+    await holding
+
+
+async def test_a_request_does_not_wait_for_a_holder_whose_kv_cache_never_bound():
+    """Waiting for the holder is for a fleet whose KV cache binds: elsewhere a copy of the
+    history costs its prefill only, and the later turn goes to the worker with room."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace, home.kv_binds = 0.2, False
+    async with d.lease(chat_info("the first question", "an answer", "next")) as lease:
+        assert lease.worker is other and lease.waited == 0.0
+    release.set()
+    await holding

@@ -6,6 +6,12 @@ binding: the worker is chosen then, with the freshest state, not at arrival), or
 error when none can ever serve it. A waiter that leaves (client gone, waited too long) is
 marked gone and skipped; it no longer counts toward the bound.
 
+A waiter whose policy would rather have a worker that is full than any with room (the
+holder of its conversation's history, or of its document) may be set aside to wait for
+that worker, for as long as the worker takes to run a request (its patience): then the
+waiters behind it may go first, to the workers with room (docs/dispatch.md "Waiting for
+the worker that holds the prompt").
+
 Plain counters for telemetry: `depth` (waiting now, all models), `admitted` (left the queue
 with a worker), `rejected` (queue full), `timed_out`, `abandoned` (client left), and
 `wait_seconds` (total time admitted requests waited) with `max_wait_seen`.
@@ -14,6 +20,7 @@ with a worker), `rejected` (queue full), `timed_out`, `abandoned` (client left),
 from __future__ import annotations
 
 import asyncio
+import bisect
 import heapq
 import itertools
 import time
@@ -27,7 +34,7 @@ from vllm_gateway.workers import Worker
 class Waiter:
     """One queued request."""
 
-    __slots__ = ("enqueued", "exclude", "future", "gone", "info", "key")
+    __slots__ = ("enqueued", "exclude", "future", "gone", "info", "key", "until", "wants")
 
     def __init__(self, info: RequestInfo, exclude: Sequence[Worker], key: tuple[int, int]) -> None:
         self.info = info
@@ -36,6 +43,8 @@ class Waiter:
         self.enqueued = time.monotonic()
         self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.gone = False
+        self.wants: Sequence[Worker] = ()  # set aside: the full workers it waits for
+        self.until = 0.0  # when its patience ends (time.monotonic()); 0: not decided yet
 
     def __lt__(self, other: Waiter) -> bool:
         return self.key < other.key
@@ -50,11 +59,12 @@ class Waiter:
 class ModelQueue:
     """The waiters for one model, best first."""
 
-    __slots__ = ("_heap", "live")
+    __slots__ = ("_heap", "live", "patient")
 
     def __init__(self) -> None:
         self._heap: list[Waiter] = []
         self.live = 0  # waiters not gone
+        self.patient: list[Waiter] = []  # set aside for the workers they want, best first
 
     def head(self) -> Waiter | None:
         """The next live waiter (gone ones are dropped on the way)."""
@@ -63,8 +73,14 @@ class ModelQueue:
             heapq.heappop(heap)
         return heap[0] if heap else None
 
+    def set_aside(self, waiter: Waiter) -> None:
+        """Move the head, `waiter`, among the patient (it waits for `waiter.wants`)."""
+        assert self._heap and self._heap[0] is waiter
+        heapq.heappop(self._heap)
+        bisect.insort(self.patient, waiter)
+
     def __iter__(self) -> Iterator[Waiter]:
-        return (w for w in sorted(self._heap) if not w.gone)
+        return (w for w in sorted([*self._heap, *self.patient]) if not w.gone)
 
 
 class Admission:

@@ -274,6 +274,7 @@ class Buckets:
             worker.capacity = self.capacity_of(worker) or 0.0
             return
         b = self.bucket(worker)
+        b.prompt.fold(worker, stats)
         self._on_stats(worker, b, stats.running, stats.waiting, stats.at)
         b.demand, b.peak, b.waited = False, 0.0, False
         worker.capacity = self.capacity_of(worker) or 0.0  # what policies read
@@ -297,7 +298,6 @@ class Buckets:
     ) -> None:
         b.waiting = waiting
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
-        b.prompt.fold(at)
         frozen = b.still.frozen(running, waiting, worker.inflight, at)
         if waiting > 0:
             if b.prompt.kv_bound(worker.stats):

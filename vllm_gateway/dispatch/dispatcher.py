@@ -37,7 +37,7 @@ The retry rule, stated once (docs/reliability.md shows the tests that hold it to
 - A worker that could not be reached is out at once (the breaker sets it unhealthy; the
   next passing probe brings it back), so the next pick does not try it again. When no
   attempt is left after an unreachable one, the client gets 503 `no_worker_available`
-  with `Retry-After` (`unreachable_answer`), never a 502: SDKs retry a 503.
+  with `Retry-After` (`lease.unreachable_answer`), never a 502: SDKs retry a 503.
 - Between attempts the lease is released; the wait, `retry.backoff` doubling up to
   `retry.backoff_max`, drawn in [half, all]; a WARNING and `Dispatcher.retries` per retry.
 """
@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 
 from vllm_gateway.config.gateway import DispatchConfig, RetryConfig
-from vllm_gateway.dispatch.admission import Admission
+from vllm_gateway.dispatch.admission import Admission, Waiter
 from vllm_gateway.dispatch.buckets import Buckets
 from vllm_gateway.dispatch.lease import (
     BROKEN,
@@ -63,17 +63,23 @@ from vllm_gateway.dispatch.lease import (
     TIMEOUT,
     UNREACHABLE,
     Lease,
+    outcome_of,
+    unreachable_answer,
 )
-from vllm_gateway.dispatch.policies import Policy, forget_missing, preferred_of, stretches_of
+from vllm_gateway.dispatch.no_worker import without_worker
+from vllm_gateway.dispatch.patience import patient
+from vllm_gateway.dispatch.policies import (
+    Policy,
+    forget_missing,
+    preferred_of,
+    stretches_of,
+)
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.errors import (
     GatewayError,
-    ModelNotFound,
-    NoWorkerAvailable,
     QueueFull,
     QueueTimeout,
     UpstreamError,
-    WorkerRefused,
     WorkerUnreachable,
 )
 from vllm_gateway.log import get_logger
@@ -138,29 +144,6 @@ class _LeaseContext:
         self._dispatcher._release(lease)
         if isinstance(exc, WorkerUnreachable):
             raise unreachable_answer(lease, exc) from exc
-
-
-def unreachable_answer(lease: Lease, exc: WorkerUnreachable) -> NoWorkerAvailable:
-    """What the client gets when the last worker tried could not be reached: a 503 with
-    `Retry-After` (SDKs retry it; a 502 they do not): a refusing worker is out now (the
-    breaker took it out on release), and the next request may find another or wait."""
-    return NoWorkerAvailable(
-        f"No worker serving `{lease.info.model}` could be reached "
-        f"({lease.attempt} tried; last: {exc.message})."
-    )
-
-
-def outcome_of(exc: BaseException) -> str:
-    """The outcome a lease ends with when `exc` ended its attempt."""
-    if isinstance(exc, asyncio.CancelledError | ConnectionResetError):
-        return CLIENT_GONE
-    if isinstance(exc, WorkerUnreachable):
-        return CONNECT_TIMEOUT if exc.timed_out else UNREACHABLE
-    if isinstance(exc, WorkerRefused):
-        return REFUSED
-    if isinstance(exc, TimeoutError):
-        return TIMEOUT
-    return BROKEN
 
 
 class Dispatcher:
@@ -244,7 +227,7 @@ class Dispatcher:
         serving = self.registry.serving(info.model)
         available = [w for w in serving if w.available and w not in exclude]
         if not available:
-            error = self._without_worker(info, serving, exclude)
+            error = without_worker(info, serving, exclude, self.registry, self.scales_from_zero)
             if error is not None:
                 raise error
             return None  # the model scales from zero: wait for a worker to start
@@ -253,7 +236,11 @@ class Dispatcher:
         return self._pick(info, exclude, available)
 
     def _pick(
-        self, info: RequestInfo, exclude: Sequence[Worker], available: list[Worker]
+        self,
+        info: RequestInfo,
+        exclude: Sequence[Worker],
+        available: list[Worker],
+        waiter: Waiter | None = None,
     ) -> Lease | None:
         policy = self.policy_for_model.get(info.model, self.policy)
         more: list[Worker] = []  # held back only by a guessed limit, this request may go
@@ -265,8 +252,9 @@ class Dispatcher:
                 # It waits: probe them all; it goes elsewhere: those the policy would rather
                 # have had (base.py), as a probe past a true capacity queues in the worker.
                 liked = preferred_of(policy, gated, candidates, info) if candidates else gated
-                self.buckets.note_demand(liked, not candidates)
-                if not candidates:
+                waits = not candidates or patient(policy, info, liked, candidates, waiter)
+                self.buckets.note_demand(liked, waits)
+                if waits:
                     return None
                 # What the policy would rather have, held back only by a guessed limit:
                 # this request is the probe (buckets.py `stretch`), not sent elsewhere to
@@ -337,29 +325,53 @@ class Dispatcher:
             raise
 
     def _serve_queue(self, model: str) -> None:
-        """Bind the waiters of `model`, best first, to workers with room, while there are."""
+        """Bind the waiters of `model`, best first, to workers with room, while there are:
+        first those set aside for the workers they want (patience.py), then the rest in
+        order; a waiter that would rather wait for a full worker is set aside, and the next
+        may go first."""
         queue = self.admission.queues.get(model)
         if queue is None:
             return
         serving = self.registry.serving(model)
+        if queue.patient:
+            has_token, now = self.buckets.has_token, time.monotonic()
+            for patient in list(queue.patient):
+                ready = patient.gone or now >= patient.until or any(map(has_token, patient.wants))
+                if ready and self._bind(patient, serving) is not False:
+                    queue.patient.remove(patient)
         while (waiter := queue.head()) is not None:
-            if waiter.future.done():  # cancelled: its task is leaving the queue right now
-                self.admission.leave(waiter, admitted=False)
-                continue
-            available = [w for w in serving if w.available and w not in waiter.exclude]
-            error: GatewayError | None = None
-            if not available:
-                error = self._without_worker(waiter.info, serving, waiter.exclude)
-            lease = self._pick(waiter.info, waiter.exclude, available) if available else None
-            if lease is None and error is None:
-                return  # no room yet; strict order, so the rest wait too
-            self.admission.leave(waiter, admitted=error is None)
-            if error is not None:
-                waiter.future.set_exception(error)
-            else:
-                assert lease is not None
-                lease.waited = time.monotonic() - waiter.enqueued
-                waiter.future.set_result(lease)
+            bound = self._bind(waiter, serving)
+            if bound is False:
+                if not waiter.wants:
+                    return  # no room yet; strict order, so the rest wait too
+                queue.set_aside(waiter)
+
+    def _bind(self, waiter: Waiter, serving: Sequence[Worker]) -> bool | None:
+        """Give `waiter` a lease (True), an error (None: it leaves too), or nothing yet
+        (False); a waiter that left already is taken out (None)."""
+        if waiter.gone:
+            return None
+        if waiter.future.done():  # cancelled: its task is leaving the queue right now
+            self.admission.leave(waiter, admitted=False)
+            return None
+        waiter.wants = ()
+        available = [w for w in serving if w.available and w not in waiter.exclude]
+        error: GatewayError | None = None
+        if not available:
+            error = without_worker(
+                waiter.info, serving, waiter.exclude, self.registry, self.scales_from_zero
+            )
+        lease = self._pick(waiter.info, waiter.exclude, available, waiter) if available else None
+        if lease is None and error is None:
+            return False
+        self.admission.leave(waiter, admitted=error is None)
+        if error is not None:
+            waiter.future.set_exception(error)
+            return None
+        assert lease is not None
+        lease.waited = time.monotonic() - waiter.enqueued
+        waiter.future.set_result(lease)
+        return True
 
     def _serve_all(self) -> None:
         if self.admission.depth:
@@ -408,34 +420,6 @@ class Dispatcher:
         if self.admission.depth:
             for model in worker.models:
                 self._serve_queue(model)
-
-    def _without_worker(
-        self, info: RequestInfo, serving: Sequence[Worker], exclude: Sequence[Worker]
-    ) -> GatewayError | None:
-        """The answer for a request no available worker can take: 404 for a model no
-        worker serves, 503 for one whose workers are all out (a known model is never a
-        404), or None: it waits in the admission queue (the model scales from zero)."""
-        if info.model in self.scales_from_zero:
-            return None
-        if not serving:
-            return ModelNotFound(self._unknown_model_message(info.model), param="model")
-        return self._none_available(info, serving, exclude)
-
-    def _none_available(
-        self, info: RequestInfo, serving: Sequence[Worker], exclude: Sequence[Worker]
-    ) -> NoWorkerAvailable:
-        return NoWorkerAvailable(
-            f"No worker serving `{info.model}` is available right now "
-            f"({len(serving)} known, none ready{' untried' if exclude else ''})."
-        )
-
-    def _unknown_model_message(self, model: str) -> str:
-        known = self.registry.known_models()
-        listed = ", ".join(known[:20]) + (" …" if len(known) > 20 else "")
-        return (
-            f"The model `{model}` does not exist on this gateway. "
-            f"Available models: {listed or 'none'}."
-        )
 
 
 def _count_model(worker: Worker, model: str, delta: int) -> None:

@@ -11,34 +11,51 @@ at `BYTES_PER_TOKEN`, halving every `HALF_LIFE` seconds from when it was sent.
 
 from __future__ import annotations
 
-from vllm_gateway.workers import EngineStats
+from vllm_gateway.workers import EngineStats, Worker
 
 # Request body bytes per prompt token: about 4 per token of English text (prefix_hash.py's
 # figure); a body also carries its JSON, so a prompt counts as more tokens than it has.
 BYTES_PER_TOKEN = 4.0
 # Half-life, in seconds, of the largest request body a worker was sent.
 HALF_LIFE = 10.0
+# A queue while the worker runs less than this part of the most it has been seen running
+# is not its batch's (a full batch runs its most): its KV cache binds. A scrape may catch
+# a batch a request or two short of its most, as one ends and the next starts.
+KV_BINDS_BELOW = 0.75
 
 
 class PromptPeak:
     """The largest request body (bytes) one worker was sent lately."""
 
-    __slots__ = ("at", "peak", "sent")
+    __slots__ = ("at", "most", "peak", "sent")
 
     def __init__(self) -> None:
         self.sent = 0  # the largest since the last scrape (dispatch sets it as it sends)
         self.peak = 0.0  # folded in at each scrape, halving every HALF_LIFE seconds
         self.at: float | None = None  # EngineStats.at of the last scrape
+        self.most = 0.0  # the most requests the worker was seen running
 
-    def fold(self, at: float) -> None:
-        """A scrape at `at`: the peak decays since the last one, then takes in the largest
-        body sent since."""
+    def fold(self, worker: Worker, stats: EngineStats) -> None:
+        """A scrape: the peak decays since the last one, then takes in the largest body
+        sent since; and whether the worker's KV cache binds (`Worker.kv_binds`: a queue
+        the KV cache may cause, while it runs less than `KV_BINDS_BELOW` of its most),
+        from then on with its free blocks (`Worker.kv_free`)."""
+        at = stats.at
         if self.at is not None:
             self.peak *= 0.5 ** (max(0.0, at - self.at) / HALF_LIFE)
         self.at = at
         if self.sent > self.peak:
             self.peak = self.sent
         self.sent = 0
+        running = stats.running
+        if running > self.most:
+            self.most = running
+        if not worker.kv_binds:
+            below = running < KV_BINDS_BELOW * self.most
+            worker.kv_binds = stats.waiting > 0 and below and self.kv_bound(stats)
+        usage, size = stats.kv_cache_usage, stats.cache_tokens
+        if worker.kv_binds and usage is not None and size:
+            worker.kv_free = max(0.0, 1.0 - usage) * size
 
     def kv_bound(self, stats: EngineStats | None) -> bool:
         """Whether a queue in `stats` may be the KV cache's (False when the worker does not
@@ -47,3 +64,11 @@ class PromptPeak:
             return False
         free = (1.0 - stats.kv_cache_usage) * stats.cache_tokens
         return free < self.peak / BYTES_PER_TOKEN
+
+
+def has_kv_room(worker: Worker, size: int) -> bool:
+    """Whether `worker`'s free KV blocks at its last scrape (`Worker.kv_free`) hold a
+    prompt of `size` bytes (at `BYTES_PER_TOKEN`): where they do not, vLLM keeps it waiting,
+    and every request behind it, until its running requests free blocks. True when the
+    worker does not report its cache."""
+    return worker.kv_free * BYTES_PER_TOKEN >= size

@@ -3,9 +3,11 @@ outcomes it can end with. The dispatcher (dispatcher.py) makes and releases leas
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from vllm_gateway.dispatch.request_info import RequestInfo
+from vllm_gateway.errors import NoWorkerAvailable, WorkerRefused, WorkerUnreachable
 from vllm_gateway.workers import Worker
 
 # Outcomes a lease ends with (also the values of the telemetry label and access log field).
@@ -71,3 +73,26 @@ class Lease:
         if pending:
             self.pending = 0
             self.worker.backlog -= pending
+
+
+def unreachable_answer(lease: Lease, exc: WorkerUnreachable) -> NoWorkerAvailable:
+    """What the client gets when the last worker tried could not be reached: a 503 with
+    `Retry-After` (SDKs retry it; a 502 they do not): a refusing worker is out now (the
+    breaker took it out on release), and the next request may find another or wait."""
+    return NoWorkerAvailable(
+        f"No worker serving `{lease.info.model}` could be reached "
+        f"({lease.attempt} tried; last: {exc.message})."
+    )
+
+
+def outcome_of(exc: BaseException) -> str:
+    """The outcome a lease ends with when `exc` ended its attempt."""
+    if isinstance(exc, asyncio.CancelledError | ConnectionResetError):
+        return CLIENT_GONE
+    if isinstance(exc, WorkerUnreachable):
+        return CONNECT_TIMEOUT if exc.timed_out else UNREACHABLE
+    if isinstance(exc, WorkerRefused):
+        return REFUSED
+    if isinstance(exc, TimeoutError):
+        return TIMEOUT
+    return BROKEN

@@ -76,6 +76,12 @@ def stretches_of(policy: Policy, info: RequestInfo) -> bool:
     return bool(hook(info)) if hook is not None else False
 
 
+def waits_for_preferred(policy: Policy) -> bool:
+    """Whether a request may wait for the full workers `policy` says it prefers (only a
+    policy that says which, by its `preferred`: else every full worker would be)."""
+    return hasattr(policy, "preferred")
+
+
 def make_policy(
     name: str, rng: random.Random | None = None, config: DispatchConfig | None = None
 ) -> Policy:
@@ -93,4 +99,5 @@ __all__ = [
     "policy_names",
     "preferred_of",
     "stretches_of",
+    "waits_for_preferred",
 ]

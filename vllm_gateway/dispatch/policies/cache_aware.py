@@ -58,15 +58,15 @@ from __future__ import annotations
 
 import math
 import random
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.backlog import congested as congested_of
 from vllm_gateway.dispatch.backlog import uncached, worth_checking
+from vllm_gateway.dispatch.kv_queue import BYTES_PER_TOKEN, has_kv_room
 from vllm_gateway.dispatch.policies.load_view import LoadView
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
-from vllm_gateway.dispatch.policies.rendezvous import rendezvous_rank
+from vllm_gateway.dispatch.policies.rendezvous import Ranks, rendezvous_rank
 from vllm_gateway.dispatch.preamble_plan import Shares, wanted
 from vllm_gateway.dispatch.prefix_hash import PrefixBlocks
 from vllm_gateway.dispatch.prefix_index import PrefixIndex
@@ -80,8 +80,6 @@ from vllm_gateway.workers import Worker
 # identical prompts spreads. A later turn of a conversation stays past it while its holder
 # has a batch slot free (`_holder_with_room`): there the saving is the whole history.
 HISTORY_SLACK = 2.0
-# Preambles whose rendezvous ranks are kept (then the cache starts over).
-MAX_PREAMBLES = 4096
 # Models whose preamble shares are kept (then they start over).
 MAX_MODELS = 1024
 
@@ -97,9 +95,8 @@ class CacheAware:
         self._bound = config.load_bound
         self._fallback = QueuePolicy(rng)
         self.index = PrefixIndex()
-        self._seeds: dict[str, int] = {}  # worker URL -> its rendezvous seed
+        self._ranks = Ranks()
         self._shares: dict[str, Shares] = {}  # model -> its preambles' shares
-        self._preamble_ranks: dict[int, dict[str, float]] = {}  # preamble -> URL -> rank
         # The last request's deepest holders among its candidates, and the depth they hold.
         self._holders: list[Worker] = []
         self._depth = 0
@@ -180,7 +177,7 @@ class CacheAware:
             return [w for w in gated if index.holds(preamble, w)]
         if blocks.continued:
             key = blocks.key
-            home = min((*gated, *candidates), key=lambda w: self._rank(key, w))
+            home = min((*gated, *candidates), key=lambda w: self._ranks.rank(key, w))
             return [home] if home in gated else []  # (Worker equality is identity)
         return []
 
@@ -222,11 +219,7 @@ class CacheAware:
         """Forget the workers that left the registry (what they were sent, their ranks)."""
         self.index.forget_missing(present)
         urls = {w.url for w in present}
-        gone = [u for u in self._seeds if u not in urls]
-        for url in gone:
-            del self._seeds[url]
-        if gone:
-            self._preamble_ranks.clear()
+        self._ranks.forget_missing(urls)
         for shares in self._shares.values():
             shares.plan.forget_missing(urls)
 
@@ -239,11 +232,18 @@ class CacheAware:
         shares: Shares,
         info: RequestInfo,
     ) -> Worker | None:
+        holders, depth = self.index.deepest(blocks.blocks, candidates)
+        self._holders, self._depth = holders, depth
+        roomy = self._with_kv_room(candidates, blocks, preamble)
+        if roomy is not candidates:
+            candidates = roomy
+            holders = [w for w in holders if w in roomy]
+            if not holders:
+                depth = 0
+            self._holders, self._depth = holders, depth
         view = LoadView.of(candidates)
         if view is None:  # all of weight 0 (or nonsense): by load alone
             return self._fallback.select(candidates, info)
-        holders, depth = self.index.deepest(blocks.blocks, candidates)
-        self._holders, self._depth = holders, depth
         if blocks.continued and view.owed:
             self._leave_congested(view, blocks, preamble)
         held = HISTORY_SLACK * (self._bound - 1.0)
@@ -268,7 +268,7 @@ class CacheAware:
         # bound, read from each replica's own in-flight view, differs between them. So
         # there the bound gives way to the capacity gate, as it does for a known history.
         sticky = blocks.continued
-        best = self._preamble_home(view, blocks.key, preamble, share, shares, extra, sticky)
+        best = self._preamble_home(view, blocks, preamble, share, shares, extra, sticky)
         if best is not None:
             return best
         best = self._home(blocks.key, range(len(candidates)), view, extra, sticky)
@@ -279,6 +279,19 @@ class CacheAware:
         if congested:
             candidates = [w for j, w in enumerate(candidates) if j not in congested]
         return self._fallback.select(candidates, info)
+
+    def _with_kv_room(
+        self, candidates: Sequence[Worker], blocks: PrefixBlocks, preamble: int
+    ) -> Sequence[Worker]:
+        """The candidates whose free KV blocks hold what the request would prefill there
+        (`has_kv_room`); all of them when none does. Elsewhere vLLM keeps it waiting for
+        blocks, and every request behind it: copying a document or a history into a full
+        cache stalls a worker, where its holder would have prefilled a few blocks."""
+        size = blocks.size
+        if all(w.kv_free * BYTES_PER_TOKEN >= size for w in candidates):
+            return candidates  # (most requests: room for the whole prompt everywhere)
+        roomy = [w for w in candidates if has_kv_room(w, self._uncached(w, blocks, preamble))]
+        return roomy or candidates
 
     def _back_home(
         self,
@@ -302,7 +315,7 @@ class CacheAware:
             kept = [candidates.index(w) for w in holders if w.url in urls]
             return self._home(blocks.key, kept, view, HISTORY_SLACK * (self._bound - 1.0))
         planned = plan.among(
-            preamble, share, shares.samples, candidates, shares.counts, self._ranks_for
+            preamble, share, shares.samples, candidates, shares.counts, self._ranks.cached
         )
         # Within its fair share: past it, the preamble needs more workers than planned.
         return None if planned is None else self._home(blocks.key, planned, view, 0.0)
@@ -310,7 +323,7 @@ class CacheAware:
     def _preamble_home(
         self,
         view: LoadView,
-        key: int,
+        blocks: PrefixBlocks,
         preamble: int,
         share: float,
         shares: Shares,
@@ -319,9 +332,9 @@ class CacheAware:
     ) -> Worker | None:
         """A new conversation among the workers its preamble needs, or its overflow worker;
         None when the preamble needs every worker. `sticky`: see `_home`."""
-        candidates = view.candidates
+        candidates, key = view.candidates, blocks.key
         n = len(candidates)
-        ranks_for = self._ranks_for
+        ranks_for = self._ranks.cached
         order: list[int] | None = None
         # The popular preambles: where the plan puts them (preamble_plan.py).
         planned = None
@@ -344,6 +357,7 @@ class CacheAware:
         best = self._home(key, planned, view, extra, sticky)
         if best is not None:
             return best
+        shared_end = blocks.shared_end(preamble)
         # All of them past the bound: the preamble's next worker in its own order that
         # has room, so its overflow lands where its earlier overflow went (and every
         # replica sends it to the same one), not wherever each conversation's key says.
@@ -351,12 +365,21 @@ class CacheAware:
             ranks = ranks_for(preamble, candidates)
             order = sorted(range(n), key=ranks.__getitem__)
         congested = view.congested or ()
+        need = shared_end  # bytes a worker that does not hold the preamble prefills
         for j in order:
             if j in planned or not view.speeds[j] > 0 or j in congested:
                 continue
-            if view.fits(j, self._slack(j, candidates, extra)):
-                return candidates[j]
-        return None
+            w = candidates[j]
+            if view.fits(j, self._slack(j, candidates, extra)) and (
+                has_kv_room(w, need) or self.index.holds(preamble, w)
+            ):
+                return w
+        # No other worker has free KV blocks for a copy of the preamble (its running
+        # requests hold its cache): there the copy would wait for blocks, and hold up the
+        # requests behind it. The least loaded of its own workers takes it instead.
+        loads, speeds = view.loads, view.speeds
+        fast = [j for j in planned if speeds[j] > 0 and j not in congested]
+        return candidates[min(fast, key=lambda j: loads[j] / speeds[j])] if fast else None
 
     def _home(
         self,
@@ -372,7 +395,7 @@ class CacheAware:
         (`LoadView.has_room`) needs nothing more."""
         best: Worker | None = None
         best_rank = math.inf
-        seeds = self._seeds
+        seeds, seed_of = self._ranks.seeds, self._ranks.seed
         candidates = view.candidates
         congested = view.congested or ()
         for j in among:
@@ -383,10 +406,7 @@ class CacheAware:
                 e = extra if isinstance(extra, float) else self._slack(j, candidates, extra)
                 if not view.fits(j, e):
                     continue
-            seed = seeds.get(w.url)
-            if seed is None:
-                seed = seeds[w.url] = zlib.crc32(w.url.encode())
-            rank = rendezvous_rank(key, w, seed)
+            rank = rendezvous_rank(key, w, seeds.get(w.url) or seed_of(w))
             if rank < best_rank:
                 best, best_rank = w, rank
         return best
@@ -416,7 +436,7 @@ class CacheAware:
             speed = view.speeds[j]
             if speed > 0 and view.has_room(j) and j not in congested:
                 w = view.candidates[j]
-                at = (view.loads[j] / speed, self._rank(key, w))
+                at = (view.loads[j] / speed, self._ranks.rank(key, w))
                 if at < best_at:
                     best, best_at = w, at
         return best
@@ -427,24 +447,3 @@ class CacheAware:
         """The slack of candidate `j`: the larger if the index says it holds the preamble."""
         base, held, preamble = extra
         return held if preamble and self.index.holds(preamble, candidates[j]) else base
-
-    def _ranks_for(self, preamble: int, candidates: Sequence[Worker]) -> list[float]:
-        """The candidates' rendezvous ranks for a preamble (cached: preambles are few)."""
-        cached = self._preamble_ranks.get(preamble)
-        if cached is None:
-            if len(self._preamble_ranks) >= MAX_PREAMBLES:
-                self._preamble_ranks.clear()
-            cached = self._preamble_ranks[preamble] = {}
-        ranks = []
-        for w in candidates:
-            r = cached.get(w.url)
-            if r is None:
-                r = cached[w.url] = self._rank(preamble, w)
-            ranks.append(r)
-        return ranks
-
-    def _rank(self, key: int, worker: Worker) -> float:
-        seed = self._seeds.get(worker.url)
-        if seed is None:
-            seed = self._seeds[worker.url] = zlib.crc32(worker.url.encode())
-        return rendezvous_rank(key, worker, seed)
