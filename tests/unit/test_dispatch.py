@@ -427,3 +427,97 @@ async def test_a_request_does_not_wait_for_a_holder_whose_kv_cache_never_bound()
         assert lease.worker is other and lease.waited == 0.0
     release.set()
     await holding
+
+
+LATER = ("the first question", "an answer", "next")
+
+
+async def test_patience_is_at_most_half_the_queues_bound():
+    """A holder whose requests take 50 s would hold a later turn past `max_queue_wait`
+    while another worker has room: patience is capped at half the bound."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY,) * 2, max_queue_wait=0.3)
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace = 0.02  # 50 s a request
+    t = asyncio.create_task(d.lease(chat_info(*LATER)).__aenter__())
+    for _ in range(6):  # scrapes keep coming: the other worker has room all along
+        await asyncio.sleep(0.06)
+        room(registry, other)
+    lease = await t
+    assert lease.worker is other and 0.15 <= lease.waited < 0.3
+    d._release(lease)
+    release.set()
+    await holding
+
+
+@pytest.mark.parametrize("out", ["removed", "unhealthy"])
+async def test_a_waiter_set_aside_for_a_worker_that_goes_out_goes_on_at_once(out):
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY,) * 2)
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace = 0.2  # 5 s of patience
+    got: list = []
+
+    async def turn():
+        async with d.lease(chat_info(*LATER)) as lease:
+            got.append(lease.worker)
+
+    task = asyncio.create_task(turn())
+    await asyncio.sleep(0.02)
+    assert d.admission.depth == 1 and not got
+    if out == "removed":
+        registry.remove(home.url, "test")
+    else:
+        registry.set_state(home, WorkerState.UNHEALTHY, "test")
+    room(registry, other)  # (any event)
+    await asyncio.wait_for(task, 1.0)
+    assert got == [other]
+    release.set()
+    await holding
+
+
+async def test_a_request_that_cannot_queue_does_not_wait_for_its_holder():
+    """`max_queued = 0`: a later turn whose holder is full goes to the worker with room,
+    rather than be refused for a queue it need not join."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY,) * 2, max_queued=0)
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace = 0.2
+    async with d.lease(chat_info(*LATER)) as lease:
+        assert lease.worker is other
+    release.set()
+    await holding
+
+
+async def test_a_waiter_set_aside_does_not_go_before_a_better_priority_in_line():
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY,) * 2)
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace = 0.2
+    messages = [{"role": "system", "content": "Be brief."}] + [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(LATER)
+    ]
+    body = orjson.dumps({"model": "m", "messages": messages})
+    low = parse_request("/v1/chat/completions", body, "r", {"x-priority": "5"})
+    seq: list[str] = []
+
+    async def go(name, request, stay):
+        async with d.lease(request):
+            seq.append(name)
+            await stay.wait()
+
+    stay = asyncio.Event()
+    patient = asyncio.create_task(go("patient", low, stay))
+    await asyncio.sleep(0.02)  # set aside for the holder
+    other.max_num_seqs = 1
+    occupying = asyncio.create_task(go("other", info(50), stay))
+    await asyncio.sleep(0.01)
+    urgent = asyncio.create_task(go("urgent", info(99, priority=-3), stay))
+    await asyncio.sleep(0.01)
+    assert d.admission.depth == 2 and seq == ["other"]
+    release.set()  # the holder frees its slot: the better priority takes it
+    await holding
+    await asyncio.sleep(0.01)
+    assert seq == ["other", "urgent"]
+    stay.set()
+    await asyncio.wait_for(asyncio.gather(patient, occupying, urgent), 2.0)

@@ -9,8 +9,8 @@ marked gone and skipped; it no longer counts toward the bound.
 A waiter whose policy would rather have a worker that is full than any with room (the
 holder of its conversation's history, or of its document) may be set aside to wait for
 that worker, for as long as the worker takes to run a request (its patience): then the
-waiters behind it may go first, to the workers with room (docs/dispatch.md "Waiting for
-the worker that holds the prompt").
+waiters behind it may go first, to the workers with room (docs/dispatch.md "No copy into a full KV
+cache").
 
 Plain counters for telemetry: `depth` (waiting now, all models), `admitted` (left the queue
 with a worker), `rejected` (queue full), `timed_out`, `abandoned` (client left), and
@@ -75,9 +75,16 @@ class ModelQueue:
 
     def set_aside(self, waiter: Waiter) -> None:
         """Move the head, `waiter`, among the patient (it waits for `waiter.wants`)."""
-        assert self._heap and self._heap[0] is waiter
-        heapq.heappop(self._heap)
+        if self._heap and self._heap[0] is waiter:
+            heapq.heappop(self._heap)
+        else:  # (never: the caller passes the head)
+            self._heap.remove(waiter)
+            heapq.heapify(self._heap)
         bisect.insort(self.patient, waiter)
+
+    def back_in_line(self, waiter: Waiter) -> None:
+        """A waiter set aside (no longer among `patient`) waits in line again."""
+        heapq.heappush(self._heap, waiter)
 
     def __iter__(self) -> Iterator[Waiter]:
         return (w for w in sorted([*self._heap, *self.patient]) if not w.gone)

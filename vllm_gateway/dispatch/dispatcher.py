@@ -51,7 +51,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 
 from vllm_gateway.config.gateway import DispatchConfig, RetryConfig
-from vllm_gateway.dispatch.admission import Admission, Waiter
+from vllm_gateway.dispatch.admission import Admission, ModelQueue, Waiter
 from vllm_gateway.dispatch.buckets import Buckets
 from vllm_gateway.dispatch.lease import (
     BROKEN,
@@ -219,8 +219,6 @@ class Dispatcher:
         if delay > 0:
             await asyncio.sleep(delay * (0.5 + 0.5 * self.rng.random()))
 
-    # --- picking --------------------------------------------------------------------------
-
     def _try_acquire(self, info: RequestInfo, exclude: Sequence[Worker]) -> Lease | None:
         """A lease on a worker with room now; None: wait in the queue. Raises when no
         worker could ever take it (unknown model, none available)."""
@@ -231,9 +229,10 @@ class Dispatcher:
             if error is not None:
                 raise error
             return None  # the model scales from zero: wait for a worker to start
-        if info.model in self.admission.queues:
+        queue = self.admission.queues.get(info.model)
+        if queue is not None and queue.head() is not None:
             return None  # others are waiting for this model: first come, first served
-        return self._pick(info, exclude, available)
+        return self._pick(info, exclude, available)  # (none, or only some set aside)
 
     def _pick(
         self,
@@ -252,10 +251,12 @@ class Dispatcher:
                 # It waits: probe them all; it goes elsewhere: those the policy would rather
                 # have had (base.py), as a probe past a true capacity queues in the worker.
                 liked = preferred_of(policy, gated, candidates, info) if candidates else gated
-                waits = not candidates or patient(policy, info, liked, candidates, waiter)
-                self.buckets.note_demand(liked, waits)
-                if waits:
+                self.buckets.note_demand(liked, not candidates)
+                if not candidates:
                     return None
+                may_wait = waiter is not None or self.admission.has_room(info.model)
+                if may_wait and patient(policy, liked, waiter, self.admission.max_wait):
+                    return None  # it waits for them (patience.py)
                 # What the policy would rather have, held back only by a guessed limit:
                 # this request is the probe (buckets.py `stretch`), not sent elsewhere to
                 # prefill again what the worker holds (its conversation's history).
@@ -327,24 +328,40 @@ class Dispatcher:
     def _serve_queue(self, model: str) -> None:
         """Bind the waiters of `model`, best first, to workers with room, while there are:
         first those set aside for the workers they want (patience.py), then the rest in
-        order; a waiter that would rather wait for a full worker is set aside, and the next
-        may go first."""
+        order; one that would rather wait for a full worker is set aside."""
         queue = self.admission.queues.get(model)
         if queue is None:
             return
         serving = self.registry.serving(model)
         if queue.patient:
-            has_token, now = self.buckets.has_token, time.monotonic()
-            for patient in list(queue.patient):
-                ready = patient.gone or now >= patient.until or any(map(has_token, patient.wants))
-                if ready and self._bind(patient, serving) is not False:
-                    queue.patient.remove(patient)
+            self._serve_patient(queue, serving)
         while (waiter := queue.head()) is not None:
             bound = self._bind(waiter, serving)
             if bound is False:
                 if not waiter.wants:
                     return  # no room yet; strict order, so the rest wait too
                 queue.set_aside(waiter)
+
+    def _serve_patient(self, queue: ModelQueue, serving: Sequence[Worker]) -> None:
+        """Bind the waiters set aside whose patience ended, or whose wanted workers have a
+        token or are out, in order, after a better-priority waiter in line; one that now
+        wants no worker in particular goes back in line."""
+        has_token, now = self.buckets.has_token, time.monotonic()
+        head = queue.head()
+        for waiter in list(queue.patient):
+            if head is not None and head.key[0] < waiter.key[0]:
+                continue  # a better priority first (the next event tries again)
+            wants = waiter.wants
+            if (
+                waiter.gone
+                or now >= waiter.until
+                or any(has_token(w) or not w.available for w in wants)
+            ):
+                bound = self._bind(waiter, serving)
+                if bound is not False or not waiter.wants:
+                    queue.patient.remove(waiter)
+                    if bound is False:
+                        queue.back_in_line(waiter)
 
     def _bind(self, waiter: Waiter, serving: Sequence[Worker]) -> bool | None:
         """Give `waiter` a lease (True), an error (None: it leaves too), or nothing yet

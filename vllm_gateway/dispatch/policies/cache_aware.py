@@ -365,18 +365,19 @@ class CacheAware:
             ranks = ranks_for(preamble, candidates)
             order = sorted(range(n), key=ranks.__getitem__)
         congested = view.congested or ()
-        need = shared_end  # bytes a worker that does not hold the preamble prefills
+        need, full = shared_end, False  # bytes a worker without the preamble prefills
         for j in order:
             if j in planned or not view.speeds[j] > 0 or j in congested:
                 continue
             w = candidates[j]
-            if view.fits(j, self._slack(j, candidates, extra)) and (
-                has_kv_room(w, need) or self.index.holds(preamble, w)
-            ):
-                return w
-        # No other worker has free KV blocks for a copy of the preamble (its running
-        # requests hold its cache): there the copy would wait for blocks, and hold up the
-        # requests behind it. The least loaded of its own workers takes it instead.
+            if view.fits(j, self._slack(j, candidates, extra)):
+                if has_kv_room(w, need) or self.index.holds(preamble, w):
+                    return w
+                full = True
+        if not full:
+            return None
+        # Where it would fit, no free KV blocks for a copy of the preamble: it would wait
+        # there, and hold up those behind it. The least loaded of its own takes it instead.
         loads, speeds = view.loads, view.speeds
         fast = [j for j in planned if speeds[j] > 0 and j not in congested]
         return candidates[min(fast, key=lambda j: loads[j] / speeds[j])] if fast else None
