@@ -34,7 +34,7 @@ from vllm_gateway.workers import Worker
 class Waiter:
     """One queued request."""
 
-    __slots__ = ("enqueued", "exclude", "future", "gone", "info", "key", "until", "wants")
+    __slots__ = ("enqueued", "exclude", "future", "gone", "info", "key", "last", "until", "wants")
 
     def __init__(self, info: RequestInfo, exclude: Sequence[Worker], key: tuple[int, int]) -> None:
         self.info = info
@@ -45,6 +45,7 @@ class Waiter:
         self.gone = False
         self.wants: Sequence[Worker] = ()  # set aside: the full workers it waits for
         self.until = 0.0  # when its patience ends (time.monotonic()); 0: not decided yet
+        self.last = 0.0  # past it, when it stops waiting for KV room elsewhere too
 
     def __lt__(self, other: Waiter) -> bool:
         return self.key < other.key

@@ -67,7 +67,7 @@ from vllm_gateway.dispatch.lease import (
     unreachable_answer,
 )
 from vllm_gateway.dispatch.no_worker import without_worker
-from vllm_gateway.dispatch.patience import patient
+from vllm_gateway.dispatch.patience import patient, room_for
 from vllm_gateway.dispatch.policies import (
     Policy,
     forget_missing,
@@ -255,7 +255,8 @@ class Dispatcher:
                 if not candidates:
                     return None
                 may_wait = waiter is not None or self.admission.has_room(info.model)
-                if may_wait and patient(policy, liked, waiter, self.admission.max_wait):
+                max_wait = self.admission.max_wait
+                if may_wait and patient(policy, liked, candidates, waiter, max_wait):
                     return None  # it waits for them (patience.py)
                 # What the policy would rather have, held back only by a guessed limit:
                 # this request is the probe (buckets.py `stretch`), not sent elsewhere to
@@ -351,11 +352,11 @@ class Dispatcher:
         for waiter in list(queue.patient):
             if head is not None and head.key[0] < waiter.key[0]:
                 continue  # a better priority first (the next event tries again)
-            wants = waiter.wants
             if (
                 waiter.gone
-                or now >= waiter.until
-                or any(has_token(w) or not w.available for w in wants)
+                or any(has_token(w) or not w.available for w in waiter.wants)
+                or now >= waiter.last
+                or (now >= waiter.until and room_for(filter(has_token, serving), waiter))
             ):
                 bound = self._bind(waiter, serving)
                 if bound is not False or not waiter.wants:
