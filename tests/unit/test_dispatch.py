@@ -521,3 +521,30 @@ async def test_a_waiter_set_aside_does_not_go_before_a_better_priority_in_line()
     assert seq == ["other", "urgent"]
     stay.set()
     await asyncio.wait_for(asyncio.gather(patient, occupying, urgent), 2.0)
+
+
+async def test_past_its_patience_a_waiter_waits_while_no_worker_with_room_has_kv_blocks():
+    """Past its patience a later turn still waits while the worker with room has no free
+    KV blocks for its prompt (vLLM would keep it waiting there, and stall those behind
+    it); a scrape that shows blocks free lets it go there."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY,) * 2, max_queue_wait=5.0)
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace = 20.0  # 50 ms of patience
+    other.kv_free = 0.0  # its KV cache full (as a scrape of a worker whose cache binds)
+    got: list = []
+
+    async def turn():
+        async with d.lease(chat_info(*LATER)) as lease:
+            got.append((lease.worker, lease.waited))
+
+    task = asyncio.create_task(turn())
+    await asyncio.sleep(0.1)
+    d._serve_queue("m")  # an event past its patience: still no room anywhere
+    await asyncio.sleep(0)
+    assert not got
+    room(registry, other)  # a scrape: the cache not known to bind, room
+    await asyncio.wait_for(task, 1.0)
+    assert got[0][0] is other and got[0][1] >= 0.1
+    release.set()
+    await holding
