@@ -357,7 +357,6 @@ class CacheAware:
         best = self._home(key, planned, view, extra, sticky)
         if best is not None:
             return best
-        shared_end = blocks.shared_end(preamble)
         # All of them past the bound: the preamble's next worker in its own order that
         # has room, so its overflow lands where its earlier overflow went (and every
         # replica sends it to the same one), not wherever each conversation's key says.
@@ -365,7 +364,7 @@ class CacheAware:
             ranks = ranks_for(preamble, candidates)
             order = sorted(range(n), key=ranks.__getitem__)
         congested = view.congested or ()
-        need, full = shared_end, False  # bytes a worker without the preamble prefills
+        need, full = blocks.shared_end(preamble), False  # what a worker without it prefills
         for j in order:
             if j in planned or not view.speeds[j] > 0 or j in congested:
                 continue
