@@ -6,11 +6,10 @@ binding: the worker is chosen then, with the freshest state, not at arrival), or
 error when none can ever serve it. A waiter that leaves (client gone, waited too long) is
 marked gone and skipped; it no longer counts toward the bound.
 
-A waiter whose policy would rather have a worker that is full than any with room (the
-holder of its conversation's history, or of its document) may be set aside to wait for
-that worker, for as long as the worker takes to run a request (its patience): then the
-waiters behind it may go first, to the workers with room (docs/dispatch.md "No copy into a full KV
-cache").
+A waiter whose policy would rather have a full worker than any with room (the holder of
+its conversation's history, or of its document, when that worker's KV cache binds) may be
+set aside to wait for it (`ModelQueue.patient`; patience.py says when and how long): the
+waiters behind it may then go first, to the workers with room.
 
 Plain counters for telemetry: `depth` (waiting now, all models), `admitted` (left the queue
 with a worker), `rejected` (queue full), `timed_out`, `abandoned` (client left), and
@@ -76,11 +75,8 @@ class ModelQueue:
 
     def set_aside(self, waiter: Waiter) -> None:
         """Move the head, `waiter`, among the patient (it waits for `waiter.wants`)."""
-        if self._heap and self._heap[0] is waiter:
-            heapq.heappop(self._heap)
-        else:  # (never: the caller passes the head)
-            self._heap.remove(waiter)
-            heapq.heapify(self._heap)
+        popped = heapq.heappop(self._heap)
+        assert popped is waiter
         bisect.insort(self.patient, waiter)
 
     def back_in_line(self, waiter: Waiter) -> None:

@@ -1,4 +1,4 @@
-"""Whether a worker's queue may be its KV cache's doing rather than its batch's.
+"""What a worker's scrapes and the requests sent to it say of its KV cache.
 
 vLLM keeps a request waiting while its prompt's blocks do not fit beside those its
 running requests hold, whatever its batch has free, and admits nobody behind it
@@ -6,7 +6,11 @@ meanwhile. What it runs then is no batch size (buckets.py learns one from a queu
 queue is taken for the KV cache's when the free part of the cache
 (`1 - vllm:kv_cache_usage_perc` of `vllm:cache_config_info`'s size in tokens) is less
 than the largest prompt sent to the worker lately may need: the largest request body,
-at `BYTES_PER_TOKEN`, halving every `HALF_LIFE` seconds from when it was sent.
+at `BYTES_PER_TOKEN`, halving every `HALF_LIFE` seconds from when it was sent
+(`PromptPeak.kv_bound`). Such a queue while the worker runs well under the most it has
+run marks its KV cache as binding (`Worker.kv_binds`), and from then on its free blocks
+are counted (`Worker.kv_free`); `has_kv_room` reads them for placement
+(docs/dispatch.md "No copy into a full KV cache").
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ KV_BINDS_BELOW = 0.75
 
 
 class PromptPeak:
-    """The largest request body (bytes) one worker was sent lately."""
+    """One worker's KV evidence: the largest request body (bytes) it was sent lately, and
+    the most requests it was seen running."""
 
     __slots__ = ("at", "most", "peak", "sent")
 

@@ -33,20 +33,21 @@ def patient(
     waiter: Waiter | None,
     max_wait: float,
 ) -> bool:
-    """Whether the request waits for `liked` (full) rather than go to one of
-    the `candidates` (with room) now. A request not queued yet (`waiter` None) joins the
+    """Whether the request waits for `liked` (full) rather than go to one of the
+    `candidates` (with room) now. A request not queued yet (`waiter` None) joins the
     queue when it may wait at all, and decides there. A waiter's patience runs from when it
     was queued; past it, it still waits while no candidate has free KV blocks for its
     prompt, until half the queue's bound (`max_wait`; 0: none, then twice its patience).
     Sets the waiter's `wants` (what it waits for)."""
     if not liked or not waits_for_preferred(policy):
         return False
-    if not any(w.kv_binds and w.pace > 0 for w in liked):
+    binding = [w for w in liked if w.kv_binds and w.pace > 0]
+    if not binding:
         return False
     if waiter is None:
         return True
     if not waiter.until:
-        patience = max(1.0 / w.pace for w in liked if w.kv_binds and w.pace > 0)
+        patience = max(1.0 / w.pace for w in binding)
         bound = max_wait / 2 if max_wait > 0 else 2 * patience
         waiter.until = waiter.enqueued + min(patience, bound)
         waiter.last = waiter.enqueued + bound
