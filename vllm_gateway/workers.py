@@ -68,6 +68,8 @@ class EngineStats:
     # cached; counters since the worker started); None when not reported.
     cache_queries: float | None = None
     cache_hits: float | None = None
+    # vllm:request_success_total (requests finished, every reason); None when not reported.
+    requests_done: float | None = None
 
 
 # Weight of the newest scrape's miss share (per scrape, 4 per second by default): about a
@@ -116,6 +118,7 @@ class Worker:
         "state",
         "state_reason",
         "stats",
+        "token_bytes",
         "url",
         "weight",
     )
@@ -161,6 +164,9 @@ class Worker:
         # holds are free to evict). Infinite otherwise, or while not reported (or stale).
         self.kv_binds = False
         self.kv_free = math.inf
+        # Request bytes per prompt token this process sends it, measured (kv_queue.py
+        # `TokenBytes`); 0 while unknown.
+        self.token_bytes = 0.0
         # Requests other senders had on it at its last scrape (other replicas of the
         # gateway, sibling processes, clients that go around the gateway): what it reported
         # running and waiting beyond the most of this process's requests it may have

@@ -100,3 +100,28 @@ def test_the_prefix_cache_counters_are_read_per_model(name, model, queries, hits
         stats = parse_metrics(page(name) + extra, NAMES, {model})
     assert stats is not None
     assert (stats.cache_queries, stats.cache_hits) == (queries, hits)
+
+
+@pytest.mark.parametrize(
+    ("name", "model"),
+    [
+        ("vllm_metrics_v1.txt", "meta-llama/Llama-3.1-8B-Instruct"),
+        ("vllm_metrics_v1.txt", "Qwen/Qwen2.5-7B-Instruct"),
+        ("vllm_0.7_v0_aibrix.txt", "Qwen/Qwen2.5-Coder-1.5B-Instruct"),
+    ],
+)
+def test_the_requests_finished_are_summed_over_engines_and_reasons(name, model):
+    """vllm:request_success_total, one sample per engine and finished_reason: their sum for
+    the model is what the bytes per token are measured against (dispatch/kv_queue.py)."""
+    text = page(name)
+    want = sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:request_success_total" and s.labels.get("model_name") == model
+    )
+    assert want > 0
+    extra = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+    stats = parse_metrics(text, NAMES, {model}) or parse_metrics(text + extra, NAMES, {model})
+    assert stats is not None
+    assert stats.requests_done == want

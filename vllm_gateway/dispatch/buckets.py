@@ -223,9 +223,7 @@ class Buckets:
         b = self.by_worker.get(worker)
         if b is not None:
             b.tokens -= 1.0
-            prompt = b.prompt
-            if size > prompt.sent:
-                prompt.sent = size
+            b.prompt.note(size)
         return full
 
     def refund(self, worker: Worker) -> None:

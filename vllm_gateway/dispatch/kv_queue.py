@@ -11,6 +11,13 @@ at `BYTES_PER_TOKEN`, halving every `HALF_LIFE` seconds from when it was sent
 run marks its KV cache as binding (`Worker.kv_binds`), and from then on its free blocks
 are counted (`Worker.kv_free`); `has_kv_room` reads them for placement
 (docs/dispatch.md "No copy into a full KV cache").
+
+Bytes per token (`TokenBytes`, `Worker.token_bytes`): the mean body this process sends the
+worker over the mean prompt its own counters say it looked up per request it finished
+(`vllm:prefix_cache_queries_total` over `vllm:request_success_total`, every sender's: a
+replica sending the same mix measures the same figure), both averaged over
+`TOKEN_BYTES_HALF_LIFE`. The prefix index sizes a binding worker's cache by it
+(prefix_index.py `capacity_of`).
 """
 
 from __future__ import annotations
@@ -26,29 +33,83 @@ HALF_LIFE = 10.0
 # is not its batch's (a full batch runs its most): its KV cache binds. A scrape may catch
 # a batch a request or two short of its most, as one ends and the next starts.
 KV_BINDS_BELOW = 0.75
+# Half-life, in seconds, of the sums bytes per token is measured over: long beside a
+# request's life, as the worker counts a prompt when its prefill starts and the request
+# when it ends, and this process counts the bytes when it sends them.
+TOKEN_BYTES_HALF_LIFE = 30.0
+# Requests (as decayed sums) both sides must have counted before the figure is read.
+TOKEN_BYTES_MIN_REQUESTS = 8.0
+
+
+class TokenBytes:
+    """Request bytes per prompt token for one worker, from what this process sends it and
+    what the worker's counters say it looked up (module docstring)."""
+
+    __slots__ = ("bytes", "done", "queries", "requests", "sends", "sent", "sent_bytes", "tokens")
+
+    def __init__(self) -> None:
+        self.sent = 0  # requests sent since the last scrape (dispatch counts them)
+        self.sent_bytes = 0  # and their bytes
+        self.queries: float | None = None  # the counters at the last scrape
+        self.done: float | None = None
+        # Decayed sums: this process's requests and bytes; the worker's requests and tokens.
+        self.sends = self.bytes = self.requests = self.tokens = 0.0
+
+    def fold(self, queries: float | None, done: float | None, decay: float) -> float:
+        """A scrape with these counters, `decay` the sums' weight since the last one:
+        the bytes per token now (0: not known yet)."""
+        last_q, last_d = self.queries, self.done
+        self.queries, self.done = queries, done
+        sent, sent_bytes = self.sent, self.sent_bytes
+        self.sent = self.sent_bytes = 0
+        if queries is None or done is None or last_q is None or last_d is None:
+            return 0.0
+        if queries < last_q or done < last_d:  # restarted: its counters start over
+            self.sends = self.bytes = self.requests = self.tokens = 0.0
+            return 0.0
+        self.sends = self.sends * decay + sent
+        self.bytes = self.bytes * decay + sent_bytes
+        self.requests = self.requests * decay + (done - last_d)
+        self.tokens = self.tokens * decay + (queries - last_q)
+        least = TOKEN_BYTES_MIN_REQUESTS
+        if self.sends < least or self.requests < least or self.tokens <= 0 or self.bytes <= 0:
+            return 0.0
+        return (self.bytes / self.sends) / (self.tokens / self.requests)
 
 
 class PromptPeak:
     """One worker's KV evidence: the largest request body (bytes) it was sent lately, and
     the most requests it was seen running."""
 
-    __slots__ = ("at", "most", "peak", "sent")
+    __slots__ = ("at", "most", "peak", "sent", "token_bytes")
 
     def __init__(self) -> None:
+        self.token_bytes = TokenBytes()
         self.sent = 0  # the largest since the last scrape (dispatch sets it as it sends)
         self.peak = 0.0  # folded in at each scrape, halving every HALF_LIFE seconds
         self.at: float | None = None  # EngineStats.at of the last scrape
         self.most = 0.0  # the most requests the worker was seen running
 
+    def note(self, size: int) -> None:
+        """A request body of `size` bytes is sent to the worker (dispatch)."""
+        if size > self.sent:
+            self.sent = size
+        counted = self.token_bytes
+        counted.sent += 1
+        counted.sent_bytes += size
+
     def fold(self, worker: Worker, stats: EngineStats) -> None:
         """A scrape: the peak decays since the last one, then takes in the largest body
         sent since; and whether the worker's KV cache binds (`Worker.kv_binds`: a queue
         the KV cache may cause, while it runs less than `KV_BINDS_BELOW` of its most),
-        from then on with its free blocks (`Worker.kv_free`)."""
+        from then on with its free blocks (`Worker.kv_free`); and its bytes per token
+        (`Worker.token_bytes`)."""
         at = stats.at
-        if self.at is not None:
-            self.peak *= 0.5 ** (max(0.0, at - self.at) / HALF_LIFE)
+        since = max(0.0, at - self.at) if self.at is not None else 0.0
+        self.peak *= 0.5 ** (since / HALF_LIFE)
         self.at = at
+        decay = 0.5 ** (since / TOKEN_BYTES_HALF_LIFE)
+        worker.token_bytes = self.token_bytes.fold(stats.cache_queries, stats.requests_done, decay)
         if self.sent > self.peak:
             self.peak = self.sent
         self.sent = 0

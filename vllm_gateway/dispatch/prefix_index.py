@@ -13,12 +13,13 @@ is its deepest names, which tell the latest holder of a conversation that moved 
 earlier one; vLLM itself evicts a prompt's tail first, but the index is a guess for routing),
 bounded like a cache: past `capacity` blocks the least recently sent is evicted, as vLLM
 evicts the least recently used free block. `capacity` is the worker's KV cache in our
-blocks when it reports one (`vllm:cache_config_info`: num_gpu_blocks x block_size tokens,
-counted at `BYTES_PER_TOKEN` bytes each, at most `DEFAULT_CAPACITY`), else
-`DEFAULT_CAPACITY`. Beside it, block hash -> the workers holding it, so finding the
-deepest match is a walk from the request's last block back towards its first, one dict
-lookup per block, stopping at the first block any candidate holds: a conversation's next
-turn finds its history after a block or two.
+blocks when it reports one (`vllm:cache_config_info`: num_gpu_blocks x block_size
+tokens, counted at `BYTES_PER_TOKEN` bytes each, at most `DEFAULT_CAPACITY`; once its KV
+cache is seen to bind, at the bytes per token measured for it), else `DEFAULT_CAPACITY`.
+Beside it, block hash -> the workers holding it, so finding the deepest match is a walk
+from the request's last block back towards its first, one dict lookup per block,
+stopping at the first block any candidate holds: a conversation's next turn finds its
+history after a block or two.
 
 Pure (no I/O, no clock); a guess, not a mirror: a worker that evicted sooner, or restarted,
 just costs a prefill where a hit was expected.
@@ -39,6 +40,13 @@ from vllm_gateway.workers import Worker
 # pay the prefill it would pay anywhere; forgetting one the worker still holds sends the
 # turn elsewhere to prefill its whole history again (and makes replicas disagree).
 BYTES_PER_TOKEN = 16
+# Once a worker's KV cache binds (dispatch/kv_queue.py), it holds what fits and evicts the
+# rest within seconds, and the other error costs more: an index that remembers a document
+# or a history the worker has evicted names it a holder, so requests keep going there to
+# prefill it again, evicting the next, and none waits for the worker that really holds
+# it. So its cache is counted at the bytes per token measured for it (`Worker.token_bytes`),
+# within these bounds (never past BYTES_PER_TOKEN: never more than before it bound).
+MIN_BYTES_PER_TOKEN = 2.0
 # Blocks remembered per worker that reports no cache size: 16384 x 1 KiB = 16 MiB of
 # prompt text, 1-4M tokens; larger than most workers' KV cache, so a worker that does not
 # report its size is credited with what it was sent recently, rather than forgotten early.
@@ -53,7 +61,10 @@ def capacity_of(worker: Worker) -> int:
         return DEFAULT_CAPACITY
     # Never more than a worker that does not report: the gateway's memory stays bounded
     # (a few hundred bytes per block remembered) whatever a worker claims.
-    return max(1, min(DEFAULT_CAPACITY, int(tokens * BYTES_PER_TOKEN // BLOCK_BYTES)))
+    per_token = float(BYTES_PER_TOKEN)
+    if worker.kv_binds and worker.token_bytes > 0:
+        per_token = min(per_token, max(MIN_BYTES_PER_TOKEN, worker.token_bytes))
+    return max(1, min(DEFAULT_CAPACITY, int(tokens * per_token // BLOCK_BYTES)))
 
 
 class PrefixIndex:

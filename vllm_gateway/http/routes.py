@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -398,6 +399,12 @@ def describe_worker(w: Worker, now: float) -> dict[str, object]:
         "running": stats.running if stats else None,
         "waiting": stats.waiting if stats else None,
         "kv_cache_usage": stats.kv_cache_usage if stats else None,
+        # Whether its KV cache was seen to bind, the tokens its free blocks held at the
+        # last scrape (null: not counted), and the request bytes per prompt token measured
+        # for it (null: not yet): dispatch/kv_queue.py.
+        "kv_binds": w.kv_binds,
+        "kv_free": w.kv_free if math.isfinite(w.kv_free) else None,
+        "token_bytes": round(w.token_bytes, 2) if w.token_bytes else None,
         "stats_age_seconds": round(now - stats.at, 3) if stats else None,
         "completed": w.completed,
         "failed": w.failed,

@@ -1,0 +1,114 @@
+"""Bytes per token, measured per worker (dispatch/kv_queue.py `TokenBytes`), and the prefix
+index sized by it once the worker's KV cache binds (dispatch/prefix_index.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_gateway.config.gateway import DispatchConfig
+from vllm_gateway.dispatch.buckets import Buckets
+from vllm_gateway.dispatch.prefix_hash import BLOCK_BYTES, prefix_blocks
+from vllm_gateway.dispatch.prefix_index import BYTES_PER_TOKEN, PrefixIndex, capacity_of
+from vllm_gateway.workers import EngineStats, Worker, WorkerRegistry, WorkerState
+
+
+def setup() -> tuple[WorkerRegistry, Worker, Buckets]:
+    registry = WorkerRegistry()
+    worker, _ = registry.add("http://w", models=("m",))
+    registry.set_state(worker, WorkerState.READY, "test")
+    buckets = Buckets(DispatchConfig())
+    registry.stats_listeners.append(buckets.on_stats)
+    return registry, worker, buckets
+
+
+def play(
+    scrapes: list[tuple[int, int, float, float]], start: tuple[float, float] = (0.0, 0.0)
+) -> float:
+    """Per scrape, 0.25 s apart: (requests this process sent since the last one, their
+    bytes each, prompt tokens the worker looked up since, requests it finished since);
+    the worker's counters start at `start`. Returns `Worker.token_bytes` after the last."""
+    registry, w, b = setup()
+    queries, done = start
+    registry.set_stats(w, EngineStats(0, 0, None, 0.0, cache_queries=queries, requests_done=done))
+    for i, (sent, size, tokens, finished) in enumerate(scrapes, 1):
+        for _ in range(sent):
+            b.take(w, True, size)
+        queries, done = queries + tokens, done + finished
+        stats = EngineStats(0, 0, None, 0.25 * i, cache_queries=queries, requests_done=done)
+        registry.set_stats(w, stats)
+    return w.token_bytes
+
+
+@pytest.mark.parametrize(
+    ("scrapes", "figure"),
+    [
+        # One sender: 4000-byte bodies of 1000-token prompts.
+        ([(4, 4000, 4000.0, 4.0)] * 8, 4.0),
+        # Two replicas alternating: this one sends half the requests the worker counts, of
+        # the same mix; the figure is the same.
+        ([(2, 4000, 4000.0, 4.0)] * 8, 4.0),
+        # The worker counts a prompt when its prefill starts and the request when it ends:
+        # counts out of step with the sends, the same mean over the window.
+        ([(4, 10_000, 0.0, 0.0), (4, 10_000, 4000.0, 0.0), (0, 0, 0.0, 4.0)] * 6, 10.0),
+        # Too few requests yet on either side: not known.
+        ([(1, 4000, 1000.0, 1.0)] * 4, 0.0),
+        ([(4, 4000, 0.0, 0.0)] * 8, 0.0),
+    ],
+)
+def test_bytes_per_token_are_the_mean_body_over_the_mean_prompt(scrapes, figure):
+    assert play(scrapes) == pytest.approx(figure, rel=0.02)
+
+
+def test_the_figure_follows_a_new_mix_and_starts_over_when_the_worker_restarts():
+    old = [(4, 4000, 4000.0, 4.0)] * 40  # 4 bytes per token for 10 s
+    new = [(4, 12_000, 4000.0, 4.0)] * 480  # then 12 for 120 s: four half-lives
+    assert play(old + new) == pytest.approx(12.0, rel=0.1)
+    restarted = [*old, (4, 4000, -10_000.0, -100.0)]  # its counters went back
+    assert play(restarted, start=(50_000.0, 500.0)) == 0.0
+    assert play(restarted + old, start=(50_000.0, 500.0)) == pytest.approx(4.0)
+
+
+def test_without_the_counters_nothing_is_measured():
+    registry, w, b = setup()
+    for i in range(20):
+        b.take(w, True, 4000)
+        registry.set_stats(w, EngineStats(0, 0, None, 0.25 * i, cache_queries=1000.0 * i))
+    assert w.token_bytes == 0.0
+
+
+@pytest.mark.parametrize(
+    ("binds", "token_bytes", "per_token"),
+    [
+        (False, 10.0, BYTES_PER_TOKEN),  # not binding: counted high, as before
+        (True, 0.0, BYTES_PER_TOKEN),  # binding, the figure not known yet
+        (True, 10.0, 10.0),  # binding: at the measured figure
+        (True, 40.0, BYTES_PER_TOKEN),  # never more than before it bound
+        (True, 0.5, 2.0),  # nor less than 2 bytes a token
+    ],
+)
+def test_a_binding_workers_index_is_sized_at_its_measured_bytes_per_token(
+    binds, token_bytes, per_token
+):
+    w = Worker("http://w", models=("m",))
+    w.stats = EngineStats(0, 0, 0.5, 0.0, cache_tokens=10_240.0)
+    w.kv_binds, w.token_bytes = binds, token_bytes
+    assert capacity_of(w) == int(10_240 * per_token // BLOCK_BYTES)
+
+
+def test_a_binding_workers_index_forgets_the_document_its_cache_had_no_room_for():
+    """A cache of 5000 tokens at 10 bytes a token holds two documents of 2560 tokens (25
+    KiB): sent a third, the worker evicted the first. Counted high (16 bytes a token) the
+    index still names it a holder; sized at the measured figure, it does not."""
+    docs = [(f"document {d} " * 3000)[: 25 * BLOCK_BYTES + 100] for d in range(3)]
+    blocks = [prefix_blocks({"prompt": doc}) for doc in docs]
+    held = []
+    for binds in (False, True):
+        w = Worker("http://w", models=("m",))
+        w.stats = EngineStats(0, 0, 0.5, 0.0, cache_tokens=5000.0)
+        w.kv_binds, w.token_bytes = binds, 10.0
+        index = PrefixIndex()
+        for b in blocks:
+            assert b is not None
+            index.record(w, b)
+        held.append([index.deepest(b.blocks, [w])[1] > 0 for b in blocks if b is not None])
+    assert held == [[True, True, True], [False, True, True]]
