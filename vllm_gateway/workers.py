@@ -68,7 +68,9 @@ class EngineStats:
     # cached; counters since the worker started); None when not reported.
     cache_queries: float | None = None
     cache_hits: float | None = None
-    # vllm:request_success_total (requests finished, every reason); None when not reported.
+    # vllm:prompt_tokens_total and vllm:request_success_total (every finished_reason):
+    # prompt tokens processed and requests finished, since it started; None when absent.
+    prompt_tokens: float | None = None
     requests_done: float | None = None
 
 

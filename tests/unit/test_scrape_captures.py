@@ -110,18 +110,23 @@ def test_the_prefix_cache_counters_are_read_per_model(name, model, queries, hits
         ("vllm_0.7_v0_aibrix.txt", "Qwen/Qwen2.5-Coder-1.5B-Instruct"),
     ],
 )
-def test_the_requests_finished_are_summed_over_engines_and_reasons(name, model):
-    """vllm:request_success_total, one sample per engine and finished_reason: their sum for
-    the model is what the bytes per token are measured against (dispatch/kv_queue.py)."""
+def test_the_prompt_tokens_and_requests_finished_are_summed_per_model(name, model):
+    """vllm:prompt_tokens_total (one sample per engine) and vllm:request_success_total (per
+    engine and finished_reason): their sums for the model are what the bytes per token
+    are measured against (dispatch/kv_queue.py)."""
     text = page(name)
-    want = sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "vllm:request_success_total" and s.labels.get("model_name") == model
-    )
-    assert want > 0
+
+    def total(metric: str) -> float:
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == metric and s.labels.get("model_name") == model
+        )
+
+    tokens, done = total("vllm:prompt_tokens_total"), total("vllm:request_success_total")
+    assert tokens > 0 and done > 0
     extra = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
     stats = parse_metrics(text, NAMES, {model}) or parse_metrics(text + extra, NAMES, {model})
     assert stats is not None
-    assert stats.requests_done == want
+    assert (stats.prompt_tokens, stats.requests_done) == (tokens, done)

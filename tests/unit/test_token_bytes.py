@@ -3,12 +3,14 @@ index sized by it once the worker's KV cache binds (dispatch/prefix_index.py).""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.buckets import Buckets
 from vllm_gateway.dispatch.prefix_hash import BLOCK_BYTES, prefix_blocks
 from vllm_gateway.dispatch.prefix_index import BYTES_PER_TOKEN, PrefixIndex, capacity_of
+from vllm_gateway.http.routes import describe_worker
 from vllm_gateway.workers import EngineStats, Worker, WorkerRegistry, WorkerState
 
 
@@ -29,12 +31,12 @@ def play(
     the worker's counters start at `start`. Returns `Worker.token_bytes` after the last."""
     registry, w, b = setup()
     queries, done = start
-    registry.set_stats(w, EngineStats(0, 0, None, 0.0, cache_queries=queries, requests_done=done))
+    registry.set_stats(w, EngineStats(0, 0, None, 0.0, prompt_tokens=queries, requests_done=done))
     for i, (sent, size, tokens, finished) in enumerate(scrapes, 1):
         for _ in range(sent):
             b.take(w, True, size)
         queries, done = queries + tokens, done + finished
-        stats = EngineStats(0, 0, None, 0.25 * i, cache_queries=queries, requests_done=done)
+        stats = EngineStats(0, 0, None, 0.25 * i, prompt_tokens=queries, requests_done=done)
         registry.set_stats(w, stats)
     return w.token_bytes
 
@@ -51,8 +53,12 @@ def play(
         # counts out of step with the sends, the same mean over the window.
         ([(4, 10_000, 0.0, 0.0), (4, 10_000, 4000.0, 0.0), (0, 0, 0.0, 4.0)] * 6, 10.0),
         # Too few requests yet on either side: not known.
-        ([(1, 4000, 1000.0, 1.0)] * 4, 0.0),
-        ([(4, 4000, 0.0, 0.0)] * 8, 0.0),
+        ([(1, 4000, 1000.0, 1.0)] * 4, 0.0),  # few sent, few finished
+        ([(1, 4000, 4000.0, 4.0)] * 4, 0.0),  # few sent, many finished (other senders')
+        ([(4, 4000, 1000.0, 1.0)] * 4, 0.0),  # many sent, few finished yet
+        # Fewer than one prompt token a request: the counters say nothing of prompts.
+        ([(4, 4000, 0.0, 4.0)] * 8, 0.0),
+        ([(4, 4000, 2.0, 4.0)] * 8, 0.0),
     ],
 )
 def test_bytes_per_token_are_the_mean_body_over_the_mean_prompt(scrapes, figure):
@@ -72,8 +78,25 @@ def test_without_the_counters_nothing_is_measured():
     registry, w, b = setup()
     for i in range(20):
         b.take(w, True, 4000)
-        registry.set_stats(w, EngineStats(0, 0, None, 0.25 * i, cache_queries=1000.0 * i))
+        registry.set_stats(w, EngineStats(0, 0, None, 0.25 * i, prompt_tokens=1000.0 * i))
     assert w.token_bytes == 0.0
+
+
+def test_a_known_figure_holds_through_a_quiet_spell_and_a_page_without_the_counters():
+    """Once measured, the figure stays while the evidence thins (nothing sent for an hour:
+    the sums decay under the threshold) or a page lacks a counter for a scrape, rather
+    than the index's size flapping between the measured figure and 16."""
+    busy = [(4, 4000, 4000.0, 4.0)] * 40
+    assert play(busy + [(0, 0, 0.0, 0.0)] * 14_400) == pytest.approx(4.0)
+    registry, w, b = setup()
+    at = 0.0
+    for i in range(41):
+        b.take(w, True, 4000)
+        at += 0.25
+        tokens, done = (1000.0 * i, float(i)) if i != 20 else (None, None)
+        registry.set_stats(w, EngineStats(0, 0, None, at, prompt_tokens=tokens, requests_done=done))
+        if i > 10:
+            assert w.token_bytes == pytest.approx(4.0), i
 
 
 @pytest.mark.parametrize(
@@ -112,3 +135,37 @@ def test_a_binding_workers_index_forgets_the_document_its_cache_had_no_room_for(
             index.record(w, b)
         held.append([index.deepest(b.blocks, [w])[1] > 0 for b in blocks if b is not None])
     assert held == [[True, True, True], [False, True, True]]
+
+
+def test_an_index_filled_before_the_cache_bound_shrinks_at_the_next_record():
+    """Three documents remembered while the worker was not known to bind; once it is, the
+    next request recorded there evicts the least recently sent past its measured size."""
+    docs = [(f"document {d} " * 3000)[: 25 * BLOCK_BYTES + 100] for d in range(3)]
+    blocks = [prefix_blocks({"prompt": doc}) for doc in docs]
+    w = Worker("http://w", models=("m",))
+    w.stats = EngineStats(0, 0, 0.5, 0.0, cache_tokens=5000.0)
+    w.token_bytes = 10.0
+    index = PrefixIndex()
+    for b in blocks:
+        assert b is not None
+        index.record(w, b)
+    assert index.blocks_of(w) == 75  # 25 names each, under 5000 x 16 / 1024 = 78
+    w.kv_binds = True
+    assert blocks[2] is not None
+    index.record(w, blocks[2])  # the latest again
+    assert index.blocks_of(w) == capacity_of(w) == 48
+    assert [index.deepest(b.blocks, [w])[1] > 0 for b in blocks if b is not None] == [
+        False,
+        True,
+        True,
+    ]
+
+
+def test_list_workers_shows_the_kv_figures_as_json():
+    """`kv_free` and `token_bytes` are null while not counted or measured (never inf)."""
+    w = Worker("http://w", models=("m",))
+    plain = orjson.loads(orjson.dumps(describe_worker(w, 0.0)))
+    assert (plain["kv_binds"], plain["kv_free"], plain["token_bytes"]) == (False, None, None)
+    w.kv_binds, w.kv_free, w.token_bytes = True, 1234.0, 9.876
+    shown = orjson.loads(orjson.dumps(describe_worker(w, 0.0)))
+    assert (shown["kv_binds"], shown["kv_free"], shown["token_bytes"]) == (True, 1234.0, 9.88)

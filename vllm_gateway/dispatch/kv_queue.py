@@ -13,14 +13,17 @@ are counted (`Worker.kv_free`); `has_kv_room` reads them for placement
 (docs/dispatch.md "No copy into a full KV cache").
 
 Bytes per token (`TokenBytes`, `Worker.token_bytes`): the mean body this process sends the
-worker over the mean prompt its own counters say it looked up per request it finished
-(`vllm:prefix_cache_queries_total` over `vllm:request_success_total`, every sender's: a
-replica sending the same mix measures the same figure), both averaged over
-`TOKEN_BYTES_HALF_LIFE`. The prefix index sizes a binding worker's cache by it
-(prefix_index.py `capacity_of`).
+worker over the mean prompt its own counters say it processed per request it finished
+(`vllm:prompt_tokens_total` over `vllm:request_success_total`), both as sums halving every
+`TOKEN_BYTES_HALF_LIFE` seconds. The counters count every sender's requests: a replica
+sending the same mix measures the same figure; other senders with another mix (direct
+clients with long documents, say) bias it. The prefix index sizes a binding worker's
+cache by it (prefix_index.py `capacity_of`).
 """
 
 from __future__ import annotations
+
+import math
 
 from vllm_gateway.workers import EngineStats, Worker
 
@@ -34,7 +37,7 @@ HALF_LIFE = 10.0
 # a batch a request or two short of its most, as one ends and the next starts.
 KV_BINDS_BELOW = 0.75
 # Half-life, in seconds, of the sums bytes per token is measured over: long beside a
-# request's life, as the worker counts a prompt when its prefill starts and the request
+# request's life, as the worker counts a prompt when its prefill runs and the request
 # when it ends, and this process counts the bytes when it sends them.
 TOKEN_BYTES_HALF_LIFE = 30.0
 # Requests (as decayed sums) both sides must have counted before the figure is read.
@@ -45,36 +48,47 @@ class TokenBytes:
     """Request bytes per prompt token for one worker, from what this process sends it and
     what the worker's counters say it looked up (module docstring)."""
 
-    __slots__ = ("bytes", "done", "queries", "requests", "sends", "sent", "sent_bytes", "tokens")
+    __slots__ = (
+        "bytes", "done", "figure", "requests", "sends", "sent", "sent_bytes", "tokens",
+        "tokens_seen",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.sent = 0  # requests sent since the last scrape (dispatch counts them)
         self.sent_bytes = 0  # and their bytes
-        self.queries: float | None = None  # the counters at the last scrape
+        self.tokens_seen: float | None = None  # the counters at the last scrape
         self.done: float | None = None
         # Decayed sums: this process's requests and bytes; the worker's requests and tokens.
         self.sends = self.bytes = self.requests = self.tokens = 0.0
+        self.figure = 0.0  # the last figure measured (0: none yet)
 
-    def fold(self, queries: float | None, done: float | None, decay: float) -> float:
-        """A scrape with these counters, `decay` the sums' weight since the last one:
-        the bytes per token now (0: not known yet)."""
-        last_q, last_d = self.queries, self.done
-        self.queries, self.done = queries, done
+    def fold(self, tokens: float | None, done: float | None, decay: float) -> float:
+        """A scrape with these counters (prompt tokens, requests finished), `decay` the
+        sums' weight since the last one: the bytes per token now (0: not known). Once
+        known, the figure holds while the evidence thins (a quiet spell, a page missing a
+        counter for a scrape), and starts over when the worker restarts."""
+        if tokens is None or done is None:
+            return self.figure  # the sends and the counters' deltas wait for the next one
+        last_t, last_d = self.tokens_seen, self.done
         sent, sent_bytes = self.sent, self.sent_bytes
         self.sent = self.sent_bytes = 0
-        if queries is None or done is None or last_q is None or last_d is None:
-            return 0.0
-        if queries < last_q or done < last_d:  # restarted: its counters start over
-            self.sends = self.bytes = self.requests = self.tokens = 0.0
+        self.tokens_seen, self.done = tokens, done
+        if last_t is None or last_d is None:
+            return self.figure
+        if tokens < last_t or done < last_d:  # restarted: its counters start over
+            self.sends = self.bytes = self.requests = self.tokens = self.figure = 0.0
             return 0.0
         self.sends = self.sends * decay + sent
         self.bytes = self.bytes * decay + sent_bytes
         self.requests = self.requests * decay + (done - last_d)
-        self.tokens = self.tokens * decay + (queries - last_q)
+        self.tokens = self.tokens * decay + (tokens - last_t)
         least = TOKEN_BYTES_MIN_REQUESTS
-        if self.sends < least or self.requests < least or self.tokens <= 0 or self.bytes <= 0:
-            return 0.0
-        return (self.bytes / self.sends) / (self.tokens / self.requests)
+        # Fewer than one token a request, or a sum decayed to nothing: no figure from it.
+        if self.sends >= least and self.requests >= least and self.tokens >= self.requests:
+            figure = (self.bytes / self.sends) / (self.tokens / self.requests)
+            if math.isfinite(figure):
+                self.figure = figure
+        return self.figure
 
 
 class PromptPeak:
@@ -109,7 +123,7 @@ class PromptPeak:
         self.peak *= 0.5 ** (since / HALF_LIFE)
         self.at = at
         decay = 0.5 ** (since / TOKEN_BYTES_HALF_LIFE)
-        worker.token_bytes = self.token_bytes.fold(stats.cache_queries, stats.requests_done, decay)
+        worker.token_bytes = self.token_bytes.fold(stats.prompt_tokens, stats.requests_done, decay)
         if self.sent > self.peak:
             self.peak = self.sent
         self.sent = 0

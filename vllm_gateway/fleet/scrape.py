@@ -57,9 +57,13 @@ MAX_CACHE_TOKENS = 1e12  # clamped as the gauges are: no worker holds a trillion
 # the prefix index only guesses (workers.Worker.miss).
 PREFIX_QUERIES = ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total")
 PREFIX_HITS = ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total")
-# Requests the worker finished (every finished_reason, aborts too: their prompts were looked
-# up all the same), from whomever: with the queries above, its prompts' mean length in
-# tokens, which the bytes this process sends turn into bytes per token (kv_queue.py).
+# Prompt tokens the worker processed (each request's whole prompt, once, at its prefill)
+# and requests it finished (every finished_reason), from whomever: their ratio is its
+# prompts' mean length in tokens, which the bytes this process sends turn into bytes per
+# token (dispatch/kv_queue.py). Not the prefix-cache queries: vLLM releases before the
+# fix of vllm#43736 (July 2026) count a request's lookup again each time it retries for
+# KV blocks, which is when the figure is read.
+PROMPT_TOKENS = ("vllm:prompt_tokens_total",)
 REQUESTS_DONE = ("vllm:request_success_total",)
 MAX_TOKENS_COUNTED = 1e18  # a counter past this is nonsense; clamped like the gauges
 
@@ -83,6 +87,7 @@ class MetricNames:
             CACHE_CONFIG,
             *PREFIX_QUERIES,
             *PREFIX_HITS,
+            *PROMPT_TOKENS,
             *REQUESTS_DONE,
         )
 
@@ -241,6 +246,7 @@ def parse_metrics(
         cache_tokens=_cache_tokens(found.get(CACHE_CONFIG, ())),
         cache_queries=_counter(found, PREFIX_QUERIES, models),
         cache_hits=_counter(found, PREFIX_HITS, models),
+        prompt_tokens=_counter(found, PROMPT_TOKENS, models),
         requests_done=_counter(found, REQUESTS_DONE, models),
     )
 
