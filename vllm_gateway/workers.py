@@ -166,9 +166,7 @@ class Worker:
         # holds are free to evict). Infinite otherwise, or while not reported (or stale).
         self.kv_binds = False
         self.kv_free = math.inf
-        # Request bytes per prompt token this process sends it, measured (kv_queue.py
-        # `TokenBytes`); 0 while unknown.
-        self.token_bytes = 0.0
+        self.token_bytes = 0.0  # request bytes per prompt token, measured (kv_queue.py); 0: not yet
         # Requests other senders had on it at its last scrape (other replicas of the
         # gateway, sibling processes, clients that go around the gateway): what it reported
         # running and waiting beyond the most of this process's requests it may have
@@ -183,8 +181,7 @@ class Worker:
         # Requests it runs at once as dispatch knows it (configured, learned from its
         # queue, or the probing limit; dispatch/buckets.py); 0 while unknown.
         self.capacity = 0.0
-        self.completed = 0
-        self.failed = 0
+        self.completed = self.failed = 0
         self.circuit = Circuit.CLOSED
         self.consecutive_failures = 0  # failed leases since the last success (breaker.py)
         self.breaker_openings = 0  # times the circuit opened (telemetry reads it)
