@@ -46,7 +46,7 @@ TOKEN_BYTES_MIN_REQUESTS = 8.0
 
 class TokenBytes:
     """Request bytes per prompt token for one worker, from what this process sends it and
-    what the worker's counters say it looked up (module docstring)."""
+    what the worker's counters say it processed (module docstring)."""
 
     __slots__ = (
         "bytes", "done", "figure", "requests", "sends", "sent", "sent_bytes", "tokens",
