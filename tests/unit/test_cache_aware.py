@@ -996,3 +996,31 @@ def test_a_worker_without_free_kv_blocks_for_what_it_would_prefill_is_left_out(
     home.kv_free, other.kv_free = home_free, other_free
     later = chat("q " * 2000, "an answer", "next")
     assert (p.select(ws, info(later)) is home) is goes_home
+
+
+def test_a_replica_waits_for_the_planned_worker_of_a_preamble_it_never_sent_there():
+    """Another replica sent a system prompt's conversations to its planned worker, which
+    this replica's plan names too (the same shares), though its own index never saw the
+    prompt there: with that worker full and another free, the worker it would rather
+    have had is the planned one, as it would be for the replica that sent them."""
+    ws = workers(4)
+    replica = policy()
+    systems = [f"system prompt number {s} " * 60 for s in range(4)]
+    for i in range(400):
+        body = chat(f"user {i} says hi", system=systems[i % 4])
+        if i % 4:
+            replica.select(ws, info(body))
+        else:  # the other replica's: counted alike, sent where this one never looked
+            blocks = prefix_blocks(body)
+            assert blocks is not None
+            replica.told("m", None, blocks.preamble, blocks.preamble, blocks.blocks)
+    first = prefix_blocks(chat("hi", system=systems[0]))
+    assert first is not None
+    urls = plan_of(replica)[first.preamble][1]
+    assert len(urls) == 1 and not any(replica.index.holds(first.preamble, w) for w in ws)
+    planned = [w for w in ws if w.url in urls]
+    rest = [w for w in ws if w.url not in urls]
+    assert replica.preferred(planned, rest, info(chat("a new one", system=systems[0]))) == planned
+    assert (
+        replica.preferred(rest[:1], [*planned, *rest[1:]], info(chat("b", system=systems[0]))) == []
+    )

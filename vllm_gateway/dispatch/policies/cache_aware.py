@@ -154,9 +154,9 @@ class CacheAware:
         """Of the workers the capacity gate left out, those this request would rather have
         had than any candidate, as it goes elsewhere and prefills again what they hold:
         holders of a deeper part of its history (a later turn); else holders of its
-        preamble if no candidate holds it; else, for a later turn no worker is known to
-        hold, its key's home (where another replica sent it). Their capacity is worth
-        probing; the others' is not (base.py)."""
+        preamble (indexed or planned) if no candidate holds it; else, for a later turn no
+        worker is known to hold, its key's home (where another replica sent it). Their
+        capacity is worth probing; the others' is not (base.py)."""
         blocks = info.prefix_blocks()
         if blocks is None:
             return []
@@ -172,9 +172,12 @@ class CacheAware:
         shares = self._shares.get(info.model)
         preamble = self._shared(blocks, shares.counts if shares is not None else {})
         if preamble:
-            if any(index.holds(preamble, w) for w in candidates):
-                return []
-            return [w for w in gated if index.holds(preamble, w)]
+            # Held by this process's index, or planned: another replica put it on the
+            # workers every replica's plan names (a plan of every worker names none).
+            urls = shares.plan.urls_of(preamble) if shares is not None else None
+            mine = urls if urls and len(urls) < len(gated) + len(candidates) else ()
+            held = [w for w in (*gated, *candidates) if w.url in mine or index.holds(preamble, w)]
+            return [] if any(w in candidates for w in held) else held
         if blocks.continued:
             key = blocks.key
             home = min((*gated, *candidates), key=lambda w: self._ranks.rank(key, w))
@@ -269,14 +272,12 @@ class CacheAware:
         # there the bound gives way to the capacity gate, as it does for a known history.
         sticky = blocks.continued
         best = self._preamble_home(view, blocks, preamble, share, shares, extra, sticky)
-        if best is not None:
-            return best
-        best = self._home(blocks.key, range(len(candidates)), view, extra, sticky)
+        if best is None:
+            best = self._home(blocks.key, range(len(candidates)), view, extra, sticky)
         if best is not None:
             return best
         # Nobody within the bound (only where a figure is not finite): by load alone.
-        congested = view.congested
-        if congested:
+        if congested := view.congested:
             candidates = [w for j, w in enumerate(candidates) if j not in congested]
         return self._fallback.select(candidates, info)
 
