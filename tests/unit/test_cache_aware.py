@@ -1021,6 +1021,39 @@ def test_a_replica_waits_for_the_planned_worker_of_a_preamble_it_never_sent_ther
     planned = [w for w in ws if w.url in urls]
     rest = [w for w in ws if w.url not in urls]
     assert replica.preferred(planned, rest, info(chat("a new one", system=systems[0]))) == planned
+    # A planned candidate has it as much: nothing to wait for.
     assert (
         replica.preferred(rest[:1], [*planned, *rest[1:]], info(chat("b", system=systems[0]))) == []
     )
+
+
+def test_a_planned_worker_that_is_out_leaves_the_others_of_the_plan_preferred():
+    """Planned on 2 of 3 workers (60% of the traffic, sent by the other replica), one of
+    them out of this pick (a retry excluded it, or it is draining): the other, full, is
+    still the worker to wait for rather than the third, which would copy the prompt."""
+    ws = workers(3)
+    replica = policy()
+    system = "system prompt number P " * 60
+    for i in range(1000):
+        body = chat(f"user {i} says hi", system=system) if i % 5 < 3 else no_system(f"u{i}")
+        blocks = prefix_blocks(body)
+        assert blocks is not None
+        if i % 5 < 3:
+            replica.told("m", None, blocks.preamble, blocks.preamble, blocks.blocks)
+        else:
+            replica.select(ws, info(body))
+    first = prefix_blocks(chat("hi", system=system))
+    assert first is not None
+    shares = replica._shares["m"]  # the plan, as this replica's next request for P makes it
+    share = shares.counts[first.preamble] / shares.samples
+    shares.plan.among(
+        first.preamble, share, shares.samples, ws, shares.counts, replica._ranks.cached
+    )
+    want, urls = plan_of(replica)[first.preamble]
+    assert want == 2 and not any(replica.index.holds(first.preamble, w) for w in ws)
+    out, full = [w for w in ws if w.url in urls]
+    (free,) = [w for w in ws if w.url not in urls]
+    fresh = info(chat("a new one", system=system))
+    assert replica.preferred([full], [free], fresh) == [full]  # `out` is neither
+    assert replica.preferred([out, full], [free], fresh) == [out, full]
+    assert replica.preferred([free], [out, full], fresh) == []

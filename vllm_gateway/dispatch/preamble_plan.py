@@ -136,6 +136,12 @@ class PreamblePlan:
         entry = self._planned.get(preamble)
         return entry[1] if entry is not None else None
 
+    def narrowed(self, preamble: int) -> frozenset[str]:
+        """The URLs planned for `preamble` when the plan gives it fewer workers than it was
+        made over (empty otherwise): where it lives, as every replica's plan says."""
+        entry = self._planned.get(preamble)
+        return entry[1] if entry is not None and entry[0] < self._n else frozenset()
+
     def count(self) -> None:
         """One more request of the model with prompt text, whichever way it is placed."""
         self._seen += 1

@@ -174,10 +174,10 @@ class CacheAware:
         if preamble:
             # Held by this process's index, or planned: another replica put it on the
             # workers every replica's plan names (a plan of every worker names none).
-            urls = shares.plan.urls_of(preamble) if shares is not None else None
-            mine = urls if urls and len(urls) < len(gated) + len(candidates) else ()
-            held = [w for w in (*gated, *candidates) if w.url in mine or index.holds(preamble, w)]
-            return [] if any(w in candidates for w in held) else held
+            mine = shares.plan.narrowed(preamble) if shares is not None else frozenset()
+            if any(w.url in mine or index.holds(preamble, w) for w in candidates):
+                return []
+            return [w for w in gated if w.url in mine or index.holds(preamble, w)]
         if blocks.continued:
             key = blocks.key
             home = min((*gated, *candidates), key=lambda w: self._ranks.rank(key, w))
