@@ -69,7 +69,7 @@ import time
 from collections.abc import Iterable
 
 from vllm_gateway.config.gateway import DispatchConfig
-from vllm_gateway.dispatch.kv_queue import PromptPeak
+from vllm_gateway.dispatch.kv_queue import KvEvidence
 from vllm_gateway.dispatch.load import held
 from vllm_gateway.dispatch.still_queue import StillQueue
 from vllm_gateway.workers import Worker
@@ -108,6 +108,7 @@ class TokenBucket:
         "demand",
         "gain",
         "holdoff",
+        "kv",
         "limit",
         "log_duration",
         "open",
@@ -115,7 +116,6 @@ class TokenBucket:
         "probe_limit",
         "probed_from",
         "probes",
-        "prompt",
         "queued_at",
         "rate_at",
         "still",
@@ -145,7 +145,7 @@ class TokenBucket:
         self.waited = False  # ... and a request waited in the gateway for it
         self.peak = 0.0  # most in flight when it was found full since the last scrape
         self.queued_at = -math.inf  # EngineStats.at of the last scrape showing a queue
-        self.prompt = PromptPeak()  # the largest body it was sent lately (kv_queue.py)
+        self.kv = KvEvidence()  # what its scrapes and our sends say of its KV cache (kv_queue.py)
         self.log_duration: float | None = None  # running mean of log(request seconds)
         self.completion_rate = 0.0  # finished requests per second, decayed
         self.rate_at = 0.0  # time.monotonic() of the last completion_rate update
@@ -223,7 +223,7 @@ class Buckets:
         b = self.by_worker.get(worker)
         if b is not None:
             b.tokens -= 1.0
-            b.prompt.note(size)
+            b.kv.note(size)
         return full
 
     def refund(self, worker: Worker) -> None:
@@ -272,7 +272,7 @@ class Buckets:
             worker.capacity = self.capacity_of(worker) or 0.0
             return
         b = self.bucket(worker)
-        b.prompt.fold(worker, stats)
+        b.kv.fold(worker, stats)
         self._on_stats(worker, b, stats.running, stats.waiting, stats.at)
         b.demand, b.peak, b.waited = False, 0.0, False
         worker.capacity = self.capacity_of(worker) or 0.0  # what policies read
@@ -298,7 +298,7 @@ class Buckets:
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
         frozen = b.still.frozen(running, waiting, worker.inflight, at)
         if waiting > 0:
-            if b.prompt.kv_bound(worker.stats):
+            if b.kv.kv_bound(worker.stats):
                 self._kv_queued(b, at)
             else:
                 self._queued(b, running, at)

@@ -7,7 +7,7 @@ queue is taken for the KV cache's when the free part of the cache
 (`1 - vllm:kv_cache_usage_perc` of `vllm:cache_config_info`'s size in tokens) is less
 than the largest prompt sent to the worker lately may need: the largest request body,
 at `BYTES_PER_TOKEN`, halving every `HALF_LIFE` seconds from when it was sent
-(`PromptPeak.kv_bound`). Such a queue while the worker runs well under the most it has
+(`KvEvidence.kv_bound`). Such a queue while the worker runs well under the most it has
 run marks its KV cache as binding (`Worker.kv_binds`), and from then on its free blocks
 are counted (`Worker.kv_free`); `has_kv_room` reads them for placement
 (docs/dispatch.md "No copy into a full KV cache").
@@ -91,9 +91,9 @@ class TokenBytes:
         return self.figure
 
 
-class PromptPeak:
-    """One worker's KV evidence: the largest request body (bytes) it was sent lately, and
-    the most requests it was seen running."""
+class KvEvidence:
+    """One worker's KV evidence: the largest request body (bytes) it was sent lately, the
+    most requests it was seen running, and its bytes per token (`TokenBytes`)."""
 
     __slots__ = ("at", "most", "peak", "sent", "token_bytes")
 
