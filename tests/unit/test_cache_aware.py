@@ -1057,3 +1057,49 @@ def test_a_planned_worker_that_is_out_leaves_the_others_of_the_plan_preferred():
     assert replica.preferred([full], [free], fresh) == [full]  # `out` is neither
     assert replica.preferred([out, full], [free], fresh) == [out, full]
     assert replica.preferred([free], [out, full], fresh) == []
+
+
+def test_a_later_turn_another_replica_placed_waits_for_its_planned_workers_not_a_copy():
+    """A system prompt planned on one of 4 workers (the other replica sent its requests:
+    this one only counted them), and held by another in this replica's index, where its
+    overflow went once. A later turn whose earlier turns the other replica placed is not
+    known here; every replica sent them to the planned worker while it had room. With it
+    full and the copy's holder free, the turn waits for the planned one: on the copy's
+    holder it would prefill its history, and keep a second copy of the prompt cached."""
+    ws = workers(4)
+    replica = policy()
+    system = "system prompt number P " * 60
+    for i in range(1000):
+        body = chat(f"user {i} says hi", system=system) if i % 4 == 0 else no_system(f"u{i}")
+        blocks = prefix_blocks(body)
+        assert blocks is not None
+        if i % 4 == 0:  # the other replica's: counted alike, sent where this one never looked
+            replica.told("m", None, blocks.preamble, blocks.preamble, blocks.blocks)
+        else:
+            replica.select(ws, info(body))
+    first = prefix_blocks(chat("hi", system=system))
+    assert first is not None
+    shares = replica._shares["m"]  # the plan, as this replica's next request for P makes it
+    share = shares.counts[first.preamble] / shares.samples
+    shares.plan.among(
+        first.preamble, share, shares.samples, ws, shares.counts, replica._ranks.cached
+    )
+    want, urls = plan_of(replica)[first.preamble]
+    (planned,) = [w for w in ws if w.url in urls]
+    copy, *others = [w for w in ws if w.url not in urls]
+    assert want == 1 and not any(replica.index.holds(first.preamble, w) for w in ws)
+    replica.select([copy], info(chat("an overflow", system=system)))  # its only candidate
+    assert [w for w in ws if replica.index.holds(first.preamble, w)] == [copy]
+    later = info(chat("a conversation's first turn", "its second turn", system=system))
+    fresh = info(chat("a new one", system=system))
+    assert replica.preferred([planned], [copy, *others], later) == [planned]
+    assert replica.preferred([copy], [planned, *others], later) == []  # the planned is free
+    # A new conversation is as well off on the copy's holder: nothing to wait for.
+    assert replica.preferred([planned], [copy, *others], fresh) == []
+    # The planned worker not in this pick (a retry left it out, it drains): the copy's
+    # holder, full, is wanted rather than a worker that would copy the prompt again.
+    assert replica.preferred([copy], others, later) == [copy]
+    assert replica.preferred([copy], others, fresh) == [copy]
+    planned.weight = 0.0  # takes nothing now (the plan is not made again yet): as a first turn
+    after = replica.preferred([planned, copy], others, later)
+    assert copy in after and after == replica.preferred([planned, copy], others, fresh)

@@ -64,6 +64,7 @@ from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.backlog import congested as congested_of
 from vllm_gateway.dispatch.backlog import uncached, worth_checking
 from vllm_gateway.dispatch.kv_queue import BYTES_PER_TOKEN, has_kv_room
+from vllm_gateway.dispatch.policies.cache_wait import wanted_holders
 from vllm_gateway.dispatch.policies.load_view import LoadView
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
 from vllm_gateway.dispatch.policies.rendezvous import Ranks, rendezvous_rank
@@ -152,37 +153,15 @@ class CacheAware:
         self, gated: Sequence[Worker], candidates: Sequence[Worker], info: RequestInfo
     ) -> list[Worker]:
         """Of the workers the capacity gate left out, those this request would rather have
-        had than any candidate, as it goes elsewhere and prefills again what they hold:
-        holders of a deeper part of its history (a later turn); else holders of its
-        preamble (indexed or planned) if no candidate holds it; else, for a later turn no
-        worker is known to hold, its key's home (where another replica sent it). Their
-        capacity is worth probing; the others' is not (base.py)."""
+        had than any candidate, as it goes elsewhere and prefills again what they hold
+        (cache_wait.py). Their capacity is worth probing; the others' is not (base.py)."""
         blocks = info.prefix_blocks()
         if blocks is None:
             return []
-        index = self.index
-        if blocks.continued:
-            held, depth = index.deepest(blocks.blocks, gated)
-            _, there = index.deepest(blocks.blocks, candidates)
-            first = blocks.first  # deeper than the blocks inside the key: its own history
-            if depth > max(there, first):
-                return held
-            if there > first:
-                return []
         shares = self._shares.get(info.model)
         preamble = self._shared(blocks, shares.counts if shares is not None else {})
-        if preamble:
-            # Held by this process's index, or planned: another replica put it on the
-            # workers every replica's plan names (a plan of every worker names none).
-            mine = shares.plan.narrowed(preamble) if shares is not None else frozenset()
-            if any(w.url in mine or index.holds(preamble, w) for w in candidates):
-                return []
-            return [w for w in gated if w.url in mine or index.holds(preamble, w)]
-        if blocks.continued:
-            key = blocks.key
-            home = min((*gated, *candidates), key=lambda w: self._ranks.rank(key, w))
-            return [home] if home in gated else []  # (Worker equality is identity)
-        return []
+        plan = shares.plan if shares is not None else None
+        return wanted_holders(self.index, plan, self._ranks, blocks, preamble, gated, candidates)
 
     def stretches(self, info: RequestInfo) -> bool:
         """Whether a worker `preferred` names, held back only by its probing limit, should
