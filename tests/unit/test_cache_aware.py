@@ -1027,30 +1027,40 @@ def test_a_replica_waits_for_the_planned_worker_of_a_preamble_it_never_sent_ther
     )
 
 
-def test_a_planned_worker_that_is_out_leaves_the_others_of_the_plan_preferred():
-    """Planned on 2 of 3 workers (60% of the traffic, sent by the other replica), one of
-    them out of this pick (a retry excluded it, or it is draining): the other, full, is
-    still the worker to wait for rather than the third, which would copy the prompt."""
-    ws = workers(3)
+def planned_by_the_other_replica(
+    ws: list[Worker], system: str, share: float
+) -> tuple[CacheAware, int, tuple[int, frozenset[str]]]:
+    """A replica that counted `share` of 1000 requests, those with `system`, which the
+    other replica sent (its own index never saw them), and sent the rest itself; its plan
+    for the system prompt as its next request for it makes it: (replica, preamble, plan)."""
     replica = policy()
-    system = "system prompt number P " * 60
     for i in range(1000):
-        body = chat(f"user {i} says hi", system=system) if i % 5 < 3 else no_system(f"u{i}")
+        theirs = (i * share) % 1.0 < share - 1e-9  # `share` of them, spread evenly
+        body = chat(f"user {i} says hi", system=system) if theirs else no_system(f"u{i}")
         blocks = prefix_blocks(body)
         assert blocks is not None
-        if i % 5 < 3:
+        if theirs:  # counted alike, sent where this one never looked
             replica.told("m", None, blocks.preamble, blocks.preamble, blocks.blocks)
         else:
             replica.select(ws, info(body))
     first = prefix_blocks(chat("hi", system=system))
     assert first is not None
-    shares = replica._shares["m"]  # the plan, as this replica's next request for P makes it
-    share = shares.counts[first.preamble] / shares.samples
+    shares = replica._shares["m"]
+    counted = shares.counts[first.preamble] / shares.samples
     shares.plan.among(
-        first.preamble, share, shares.samples, ws, shares.counts, replica._ranks.cached
+        first.preamble, counted, shares.samples, ws, shares.counts, replica._ranks.cached
     )
-    want, urls = plan_of(replica)[first.preamble]
-    assert want == 2 and not any(replica.index.holds(first.preamble, w) for w in ws)
+    return replica, first.preamble, plan_of(replica)[first.preamble]
+
+
+def test_a_planned_worker_that_is_out_leaves_the_others_of_the_plan_preferred():
+    """Planned on 2 of 3 workers (60% of the traffic, sent by the other replica), one of
+    them out of this pick (a retry excluded it, or it is draining): the other, full, is
+    still the worker to wait for rather than the third, which would copy the prompt."""
+    ws = workers(3)
+    system = "system prompt number P " * 60
+    replica, preamble, (want, urls) = planned_by_the_other_replica(ws, system, 0.6)
+    assert want == 2 and not any(replica.index.holds(preamble, w) for w in ws)
     out, full = [w for w in ws if w.url in urls]
     (free,) = [w for w in ws if w.url not in urls]
     fresh = info(chat("a new one", system=system))
@@ -1067,29 +1077,13 @@ def test_a_later_turn_another_replica_placed_waits_for_its_planned_workers_not_a
     full and the copy's holder free, the turn waits for the planned one: on the copy's
     holder it would prefill its history, and keep a second copy of the prompt cached."""
     ws = workers(4)
-    replica = policy()
     system = "system prompt number P " * 60
-    for i in range(1000):
-        body = chat(f"user {i} says hi", system=system) if i % 4 == 0 else no_system(f"u{i}")
-        blocks = prefix_blocks(body)
-        assert blocks is not None
-        if i % 4 == 0:  # the other replica's: counted alike, sent where this one never looked
-            replica.told("m", None, blocks.preamble, blocks.preamble, blocks.blocks)
-        else:
-            replica.select(ws, info(body))
-    first = prefix_blocks(chat("hi", system=system))
-    assert first is not None
-    shares = replica._shares["m"]  # the plan, as this replica's next request for P makes it
-    share = shares.counts[first.preamble] / shares.samples
-    shares.plan.among(
-        first.preamble, share, shares.samples, ws, shares.counts, replica._ranks.cached
-    )
-    want, urls = plan_of(replica)[first.preamble]
+    replica, preamble, (want, urls) = planned_by_the_other_replica(ws, system, 0.25)
     (planned,) = [w for w in ws if w.url in urls]
     copy, *others = [w for w in ws if w.url not in urls]
-    assert want == 1 and not any(replica.index.holds(first.preamble, w) for w in ws)
+    assert want == 1 and not any(replica.index.holds(preamble, w) for w in ws)
     replica.select([copy], info(chat("an overflow", system=system)))  # its only candidate
-    assert [w for w in ws if replica.index.holds(first.preamble, w)] == [copy]
+    assert [w for w in ws if replica.index.holds(preamble, w)] == [copy]
     later = info(chat("a conversation's first turn", "its second turn", system=system))
     fresh = info(chat("a new one", system=system))
     assert replica.preferred([planned], [copy, *others], later) == [planned]
