@@ -172,7 +172,12 @@ async def test_an_undrain_during_a_draining_remove_keeps_the_worker(fake_worker,
                     headers=auth,
                 )
             )
-            await asyncio.sleep(0.1)
+            # The remove's request reaches the gateway when the loop gets to it (a busy
+            # machine: more than a fixed 0.1 s), within the stream's ~0.6 s.
+            for _ in range(50):
+                if gw.app[REGISTRY].get(w.url).state.value == "draining":
+                    break
+                await asyncio.sleep(0.01)
             assert gw.app[REGISTRY].get(w.url).state.value == "draining"
             assert (await admin.undrain(w.url))["changed"] is True
             assert (await stream.read()).rstrip().endswith(b"data: [DONE]")
