@@ -298,7 +298,7 @@ class Buckets:
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
         frozen = b.still.frozen(running, waiting, worker.inflight, at)
         if waiting > 0:
-            if b.kv.kv_bound(worker.stats):
+            if b.kv.bound(worker.stats):
                 self._kv_queued(b, at)
             else:
                 self._queued(b, running, at)

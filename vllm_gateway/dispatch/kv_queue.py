@@ -7,7 +7,7 @@ queue is taken for the KV cache's when the free part of the cache
 (`1 - vllm:kv_cache_usage_perc` of `vllm:cache_config_info`'s size in tokens) is less
 than the largest prompt sent to the worker lately may need: the largest request body,
 at `BYTES_PER_TOKEN`, halving every `HALF_LIFE` seconds from when it was sent
-(`KvEvidence.kv_bound`). Such a queue while the worker runs well under the most it has
+(`KvEvidence.bound`). Such a queue while the worker runs well under the most it has
 run marks its KV cache as binding (`Worker.kv_binds`), and from then on its free blocks
 are counted (`Worker.kv_free`); `has_kv_room` reads them for placement
 (docs/dispatch.md "No copy into a full KV cache").
@@ -49,7 +49,7 @@ class TokenBytes:
     what the worker's counters say it processed (module docstring)."""
 
     __slots__ = (
-        "bytes", "done", "figure", "requests", "sends", "sent", "sent_bytes", "tokens",
+        "bytes", "done_seen", "figure", "requests", "sends", "sent", "sent_bytes", "tokens",
         "tokens_seen",
     )  # fmt: skip
 
@@ -57,7 +57,7 @@ class TokenBytes:
         self.sent = 0  # requests sent since the last scrape (dispatch counts them)
         self.sent_bytes = 0  # and their bytes
         self.tokens_seen: float | None = None  # the counters at the last scrape
-        self.done: float | None = None
+        self.done_seen: float | None = None
         # Decayed sums: this process's requests and bytes; the worker's requests and tokens.
         self.sends = self.bytes = self.requests = self.tokens = 0.0
         self.figure = 0.0  # the last figure measured (0: none yet)
@@ -69,10 +69,10 @@ class TokenBytes:
         counter for a scrape), and starts over when the worker restarts."""
         if tokens is None or done is None:
             return self.figure  # the sends and the counters' deltas wait for the next one
-        last_t, last_d = self.tokens_seen, self.done
+        last_t, last_d = self.tokens_seen, self.done_seen
         sent, sent_bytes = self.sent, self.sent_bytes
         self.sent = self.sent_bytes = 0
-        self.tokens_seen, self.done = tokens, done
+        self.tokens_seen, self.done_seen = tokens, done
         if last_t is None or last_d is None:
             return self.figure
         if tokens < last_t or done < last_d:  # restarted: its counters start over
@@ -132,12 +132,12 @@ class KvEvidence:
             self.most = running
         if not worker.kv_binds:
             below = running < KV_BINDS_BELOW * self.most
-            worker.kv_binds = stats.waiting > 0 and below and self.kv_bound(stats)
+            worker.kv_binds = stats.waiting > 0 and below and self.bound(stats)
         usage, size = stats.kv_cache_usage, stats.cache_tokens
         if worker.kv_binds and usage is not None and size:
             worker.kv_free = max(0.0, 1.0 - usage) * size
 
-    def kv_bound(self, stats: EngineStats | None) -> bool:
+    def bound(self, stats: EngineStats | None) -> bool:
         """Whether a queue in `stats` may be the KV cache's (False when the worker does not
         report its cache)."""
         if stats is None or stats.kv_cache_usage is None or not stats.cache_tokens:
