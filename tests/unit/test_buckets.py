@@ -560,3 +560,33 @@ def test_a_worker_whose_kv_cache_binds_is_told_from_one_whose_batch_does(
     assert w.kv_free == pytest.approx(free)
     registry.set_stats(w, None)  # stale: nothing known
     assert w.kv_free == math.inf
+
+
+@pytest.mark.parametrize(
+    ("after", "binds"),
+    [
+        # The scrape after the KV queue, as (cache size, prompt tokens, requests done).
+        ((16_000.0, 9_000.0, 40.0), True),  # the same engine, counters on: still binding
+        ((16_000.0, 100.0, 1.0), False),  # counters back to near 0: a restart
+        ((32_000.0, 9_000.0, 40.0), False),  # a cache of another size: another engine
+        ((None, 9_000.0, 40.0), True),  # a page missing the cache size: nothing learned
+    ],
+)
+def test_a_restarted_worker_is_learned_anew_not_kept_binding(
+    after: tuple[float | None, float, float], binds: bool
+) -> None:
+    """`kv_binds` is about one engine: a worker that restarts (its counters go back) or
+    comes back with another cache size is no longer taken as binding, so its free blocks
+    (`kv_free`) no longer hold placement back until its own queues say so again."""
+    registry, w, b = setup()
+    for i, (running, waiting, usage) in enumerate([(8, 0, 0.5), (3, 2, 0.9)]):
+        b.take(w, True, 40_000)
+        registry.set_stats(w, EngineStats(running, waiting, usage, 0.25 * i, 16_000.0,
+                                          prompt_tokens=8_000.0 + i, requests_done=30.0 + i))  # fmt: skip
+    assert w.kv_binds
+    cache, tokens, done = after
+    registry.set_stats(w, EngineStats(1, 0, 0.25, 0.5, cache, prompt_tokens=tokens,
+                                      requests_done=done))  # fmt: skip
+    assert w.kv_binds is binds
+    if cache is not None:  # (without a size, no free blocks are counted either way)
+        assert (w.kv_free < math.inf) is binds

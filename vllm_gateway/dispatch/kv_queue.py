@@ -10,7 +10,8 @@ at `BYTES_PER_TOKEN`, halving every `HALF_LIFE` seconds from when it was sent
 (`KvEvidence.bound`). Such a queue while the worker runs well under the most it has
 run marks its KV cache as binding (`Worker.kv_binds`), and from then on its free blocks
 are counted (`Worker.kv_free`); `has_kv_room` reads them for placement
-(docs/dispatch.md "No copy into a full KV cache").
+(docs/dispatch.md "No copy into a full KV cache"). That holds until the worker restarts
+(its counters go back, or its cache has another size): a new engine is learned anew.
 
 Bytes per token (`TokenBytes`, `Worker.token_bytes`): the mean body this process sends the
 worker over the mean prompt its own counters say it processed per request it finished
@@ -95,7 +96,7 @@ class KvEvidence:
     """One worker's KV evidence: the largest request body (bytes) it was sent lately, the
     most requests it was seen running, and its bytes per token (`TokenBytes`)."""
 
-    __slots__ = ("at", "most", "peak", "sent", "token_bytes")
+    __slots__ = ("at", "cache", "most", "peak", "sent", "token_bytes")
 
     def __init__(self) -> None:
         self.token_bytes = TokenBytes()
@@ -103,6 +104,7 @@ class KvEvidence:
         self.peak = 0.0  # folded in at each scrape, halving every HALF_LIFE seconds
         self.at: float | None = None  # EngineStats.at of the last scrape
         self.most = 0.0  # the most requests the worker was seen running
+        self.cache: float | None = None  # its KV cache size (tokens) at the last scrape
 
     def note(self, size: int) -> None:
         """A request body of `size` bytes is sent to the worker (dispatch)."""
@@ -123,6 +125,8 @@ class KvEvidence:
         self.peak *= 0.5 ** (since / HALF_LIFE)
         self.at = at
         decay = 0.5 ** (since / TOKEN_BYTES_HALF_LIFE)
+        if self._restarted(stats):  # another engine now: what was learned was the old one's
+            self.most, worker.kv_binds = 0.0, False
         worker.token_bytes = self.token_bytes.fold(stats.prompt_tokens, stats.requests_done, decay)
         if self.sent > self.peak:
             self.peak = self.sent
@@ -136,6 +140,18 @@ class KvEvidence:
         usage, size = stats.kv_cache_usage, stats.cache_tokens
         if worker.kv_binds and usage is not None and size:
             worker.kv_free = max(0.0, 1.0 - usage) * size
+
+    def _restarted(self, stats: EngineStats) -> bool:
+        """Whether the worker restarted since the last scrape: its counters went back, or
+        its KV cache has another size (a new engine, another `--gpu-memory-utilization`)."""
+        cache, self.cache = self.cache, stats.cache_tokens
+        if cache is not None and stats.cache_tokens is not None and stats.cache_tokens != cache:
+            return True
+        seen = self.token_bytes
+        tokens, done = stats.prompt_tokens, stats.requests_done
+        return (
+            tokens is not None and seen.tokens_seen is not None and tokens < seen.tokens_seen
+        ) or (done is not None and seen.done_seen is not None and done < seen.done_seen)
 
     def bound(self, stats: EngineStats | None) -> bool:
         """Whether a queue in `stats` may be the KV cache's (False when the worker does not
