@@ -565,28 +565,54 @@ def test_a_worker_whose_kv_cache_binds_is_told_from_one_whose_batch_does(
 @pytest.mark.parametrize(
     ("after", "binds"),
     [
-        # The scrape after the KV queue, as (cache size, prompt tokens, requests done).
-        ((16_000.0, 9_000.0, 40.0), True),  # the same engine, counters on: still binding
-        ((16_000.0, 100.0, 1.0), False),  # counters back to near 0: a restart
-        ((32_000.0, 9_000.0, 40.0), False),  # a cache of another size: another engine
-        ((None, 9_000.0, 40.0), True),  # a page missing the cache size: nothing learned
+        # The scrapes after the KV queue, as (cache size, prompt tokens, requests done).
+        ([(16_000.0, 9_000.0, 40.0)], True),  # the same engine, counters on: still binding
+        ([(16_000.0, 100.0, 1.0)], False),  # counters back to near 0: a restart
+        ([(16_000.0, 100.0, 40.0)], False),  # one counter back is enough
+        ([(16_000.0, None, 40.0)], True),  # a page missing a counter: nothing learned
+        ([(32_000.0, 9_000.0, 40.0)], False),  # a cache of another size: another engine
+        ([(None, 9_000.0, 40.0)], True),  # a page missing the cache size: nothing learned
+        ([(None, 9_000.0, 40.0), (32_000.0, 9_001.0, 41.0)], False),  # ...then another size
     ],
 )
 def test_a_restarted_worker_is_learned_anew_not_kept_binding(
-    after: tuple[float | None, float, float], binds: bool
+    after: list[tuple[float | None, float | None, float]], binds: bool
 ) -> None:
     """`kv_binds` is about one engine: a worker that restarts (its counters go back) or
     comes back with another cache size is no longer taken as binding, so its free blocks
-    (`kv_free`) no longer hold placement back until its own queues say so again."""
+    (`kv_free`) no longer hold placement back until its own queues say so again; and the
+    most it was seen running is the new engine's, so a short queue right after the
+    restart (its batch not seen full yet) does not mark it again."""
     registry, w, b = setup()
     for i, (running, waiting, usage) in enumerate([(8, 0, 0.5), (3, 2, 0.9)]):
         b.take(w, True, 40_000)
-        registry.set_stats(w, EngineStats(running, waiting, usage, 0.25 * i, 16_000.0,
-                                          prompt_tokens=8_000.0 + i, requests_done=30.0 + i))  # fmt: skip
+        registry.set_stats(
+            w,
+            EngineStats(
+                running,
+                waiting,
+                usage,
+                0.25 * i,
+                16_000.0,
+                prompt_tokens=8_000.0 + i,
+                requests_done=30.0 + i,
+            ),
+        )
     assert w.kv_binds
-    cache, tokens, done = after
-    registry.set_stats(w, EngineStats(1, 0, 0.25, 0.5, cache, prompt_tokens=tokens,
-                                      requests_done=done))  # fmt: skip
+    at = 0.5
+    for cache, tokens, done in after:
+        registry.set_stats(
+            w, EngineStats(1, 0, 0.25, at, cache, prompt_tokens=tokens, requests_done=done)
+        )
+        at += 0.25
     assert w.kv_binds is binds
-    if cache is not None:  # (without a size, no free blocks are counted either way)
+    if after[-1][0] is not None:  # (without a size, no free blocks are counted either way)
         assert (w.kv_free < math.inf) is binds
+    b.take(w, True, 40_000)  # one queued at its new most (1): its batch's, not the KV's
+    registry.set_stats(
+        w,
+        EngineStats(
+            1, 2, 0.95, at, after[-1][0] or 16_000.0, prompt_tokens=9_500.0, requests_done=50.0
+        ),
+    )
+    assert w.kv_binds is binds

@@ -127,6 +127,7 @@ class KvEvidence:
         decay = 0.5 ** (since / TOKEN_BYTES_HALF_LIFE)
         if self._restarted(stats):  # another engine now: what was learned was the old one's
             self.most, worker.kv_binds = 0.0, False
+            self.token_bytes = TokenBytes()
         worker.token_bytes = self.token_bytes.fold(stats.prompt_tokens, stats.requests_done, decay)
         if self.sent > self.peak:
             self.peak = self.sent
@@ -144,9 +145,11 @@ class KvEvidence:
     def _restarted(self, stats: EngineStats) -> bool:
         """Whether the worker restarted since the last scrape: its counters went back, or
         its KV cache has another size (a new engine, another `--gpu-memory-utilization`)."""
-        cache, self.cache = self.cache, stats.cache_tokens
-        if cache is not None and stats.cache_tokens is not None and stats.cache_tokens != cache:
-            return True
+        cache, size = self.cache, stats.cache_tokens
+        if size is not None:  # (a page without it keeps the last size to compare with)
+            self.cache = size
+            if cache is not None and size != cache:
+                return True
         seen = self.token_bytes
         tokens, done = stats.prompt_tokens, stats.requests_done
         return (
