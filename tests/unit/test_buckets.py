@@ -616,3 +616,16 @@ def test_a_restarted_worker_is_learned_anew_not_kept_binding(
         ),
     )
     assert w.kv_binds is binds
+
+
+def test_a_restarted_worker_has_its_capacity_learned_anew() -> None:
+    """A capacity learned from the old engine's queue (4 here) is not the new one's (it
+    may run a larger batch): after a restart the gate starts from its probing limit again,
+    as for a worker never seen queueing. The same engine keeps what was learned."""
+    for restart in (False, True):
+        registry, w, b = setup()
+        registry.set_stats(w, EngineStats(4, 2, None, 0.0, prompt_tokens=900.0, requests_done=9))
+        assert b.describe(w)["capacity"] == 4  # learned from its queue
+        tokens = 10.0 if restart else 1_000.0  # its prompt-token counter went back, or not
+        registry.set_stats(w, EngineStats(0, 0, None, 0.25, prompt_tokens=tokens, requests_done=9))
+        assert b.describe(w)["capacity"] == (PROBE_START if restart else 4)

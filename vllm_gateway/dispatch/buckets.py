@@ -272,7 +272,9 @@ class Buckets:
             worker.capacity = self.capacity_of(worker) or 0.0
             return
         b = self.bucket(worker)
-        b.kv.fold(worker, stats)
+        if b.kv.fold(worker, stats):  # restarted: the new engine's capacity is learned anew
+            fresh = self.by_worker[worker] = TokenBucket()
+            fresh.kv, b = b.kv, fresh
         self._on_stats(worker, b, stats.running, stats.waiting, stats.at)
         b.demand, b.peak, b.waited = False, 0.0, False
         worker.capacity = self.capacity_of(worker) or 0.0  # what policies read

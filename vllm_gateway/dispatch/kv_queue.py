@@ -114,18 +114,20 @@ class KvEvidence:
         counted.sent += 1
         counted.sent_bytes += size
 
-    def fold(self, worker: Worker, stats: EngineStats) -> None:
+    def fold(self, worker: Worker, stats: EngineStats) -> bool:
         """A scrape: the peak decays since the last one, then takes in the largest body
         sent since; and whether the worker's KV cache binds (`Worker.kv_binds`: a queue
         the KV cache may cause, while it runs less than `KV_BINDS_BELOW` of its most),
         from then on with its free blocks (`Worker.kv_free`); and its bytes per token
-        (`Worker.token_bytes`)."""
+        (`Worker.token_bytes`). True when the worker restarted (`_restarted`): what was
+        learned of the old engine is dropped here, and the caller drops its own."""
         at = stats.at
         since = max(0.0, at - self.at) if self.at is not None else 0.0
         self.peak *= 0.5 ** (since / HALF_LIFE)
         self.at = at
         decay = 0.5 ** (since / TOKEN_BYTES_HALF_LIFE)
-        if self._restarted(stats):  # another engine now: what was learned was the old one's
+        restarted = self._restarted(stats)
+        if restarted:  # another engine now: what was learned was the old one's
             self.most, worker.kv_binds = 0.0, False
             self.token_bytes = TokenBytes()
         worker.token_bytes = self.token_bytes.fold(stats.prompt_tokens, stats.requests_done, decay)
@@ -141,6 +143,7 @@ class KvEvidence:
         usage, size = stats.kv_cache_usage, stats.cache_tokens
         if worker.kv_binds and usage is not None and size:
             worker.kv_free = max(0.0, 1.0 - usage) * size
+        return restarted
 
     def _restarted(self, stats: EngineStats) -> bool:
         """Whether the worker restarted since the last scrape: its counters went back, or
