@@ -71,12 +71,13 @@ class TokenBytes:
         if tokens is None or done is None:
             return self.figure  # the sends and the counters' deltas wait for the next one
         last_t, last_d = self.tokens_seen, self.done_seen
+        back = self.went_back(tokens, done)
         sent, sent_bytes = self.sent, self.sent_bytes
         self.sent = self.sent_bytes = 0
         self.tokens_seen, self.done_seen = tokens, done
         if last_t is None or last_d is None:
             return self.figure
-        if tokens < last_t or done < last_d:  # restarted: its counters start over
+        if back:  # restarted: its counters start over
             self.sends = self.bytes = self.requests = self.tokens = self.figure = 0.0
             return 0.0
         self.sends = self.sends * decay + sent
@@ -90,6 +91,14 @@ class TokenBytes:
             if math.isfinite(figure):
                 self.figure = figure
         return self.figure
+
+    def went_back(self, tokens: float | None, done: float | None) -> bool:
+        """Whether either counter is below what the last scrape read: the worker
+        restarted (a counter missing now or then says nothing)."""
+        last_t, last_d = self.tokens_seen, self.done_seen
+        return (tokens is not None and last_t is not None and tokens < last_t) or (
+            done is not None and last_d is not None and done < last_d
+        )
 
 
 class KvEvidence:
@@ -153,11 +162,7 @@ class KvEvidence:
             self.cache = size
             if cache is not None and size != cache:
                 return True
-        seen = self.token_bytes
-        tokens, done = stats.prompt_tokens, stats.requests_done
-        return (
-            tokens is not None and seen.tokens_seen is not None and tokens < seen.tokens_seen
-        ) or (done is not None and seen.done_seen is not None and done < seen.done_seen)
+        return self.token_bytes.went_back(stats.prompt_tokens, stats.requests_done)
 
     def bound(self, stats: EngineStats | None) -> bool:
         """Whether a queue in `stats` may be the KV cache's (False when the worker does not
