@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -20,19 +21,25 @@ from vllm_gateway.config.gateway import (
     ApiKeyConfig,
     AuthConfig,
     DiscoveryConfig,
+    DispatchConfig,
     DnsName,
     GatewayConfig,
     KubernetesService,
     WorkerSpec,
 )
 from vllm_gateway.config.load import load_config
-from vllm_gateway.config.settings import MAX_SECONDS
-from vllm_gateway.errors import ConfigError
+from vllm_gateway.config.settings import MAX_SECONDS, MAX_WEIGHT
+from vllm_gateway.control.body import get_number
+from vllm_gateway.dispatch.aliases import check_alias
+from vllm_gateway.dispatch.policies import make_policy
+from vllm_gateway.dispatch.request_info import RequestInfo
+from vllm_gateway.errors import BadRequest, ConfigError
 from vllm_gateway.fleet.demand import MAX_DESIRED, desired_workers
 from vllm_gateway.fleet.health import models_from_page
 from vllm_gateway.fleet.scrape import MAX_REQUESTS, MetricNames, page_lines, parse_metrics
 from vllm_gateway.http.routes import is_lora_update
 from vllm_gateway.process.reload import check_reload
+from vllm_gateway.workers import Worker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -276,3 +283,56 @@ def test_lora_update_paths(target, refused):
 def test_a_page_read_in_pieces_has_the_same_lines(lines, piece):
     page = "\n".join(lines).encode()
     assert list(page_lines(page, piece)) == page.decode().splitlines()
+
+
+# --- weights ------------------------------------------------------------------------------
+
+
+def test_a_worker_weight_past_the_maximum_is_refused_in_the_config(tmp_path):
+    path = tmp_path / "gateway.toml"
+    path.write_text(f'[[workers]]\nurl = "http://a:1"\nweight = {MAX_WEIGHT * 10:g}\n')
+    with pytest.raises(ConfigError, match="at most"):
+        load_config(path, env={})
+
+
+@pytest.mark.parametrize("weight", [1e308, MAX_WEIGHT * 2, -1.0, True, "2"])
+def test_an_alias_weight_past_the_bounds_is_refused(weight):
+    problem = check_alias("llama", {"llama-v1": 1.0, "llama-v2": weight})
+    assert problem is not None and "weight" in problem
+
+
+def test_an_alias_weight_at_the_maximum_is_taken():
+    assert check_alias("llama", {"llama-v1": 1.0, "llama-v2": MAX_WEIGHT}) is None
+
+
+@pytest.mark.parametrize(
+    ("doc", "ok"),
+    [
+        ({"weight": MAX_WEIGHT}, True),
+        ({"weight": 0}, True),
+        ({"weight": 1e308}, False),
+        ({"weight": MAX_WEIGHT + 1}, False),
+        ({"weight": -0.5}, False),
+        ({"weight": "3"}, False),
+        ({"weight": False}, False),
+    ],
+)
+def test_an_admin_weight_is_a_number_within_bounds(doc, ok):
+    if ok:
+        assert get_number(doc, "weight", None, maximum=MAX_WEIGHT) == float(doc["weight"])
+    else:
+        with pytest.raises(BadRequest) as e:
+            get_number(doc, "weight", None, maximum=MAX_WEIGHT)
+        assert e.value.param == "weight"
+
+
+@pytest.mark.parametrize("weights", [[1e308, 1.0, 1.0], [1e308, 1e308, 1.0], [math.inf, 1.0, 1.0]])
+def test_the_preamble_plan_survives_any_weights(weights):
+    """Weights are bounded where they come in; the plan's arithmetic holds anyway (a worker
+    weighted 1e308 once overflowed it, failing every request with a popular preamble)."""
+    ws = [Worker(f"http://10.0.0.{i}:8000", models=("m",), weight=x) for i, x in enumerate(weights)]
+    p = make_policy("cache_aware", random.Random(1), DispatchConfig())
+    for i in range(300):
+        system = {"role": "system", "content": f"system prompt {i % 3} " * 70}
+        body = {"model": "m", "messages": [system, {"role": "user", "content": f"u{i}"}]}
+        assert p.select(ws, RequestInfo("/v1/chat/completions", b"", "m", True, "r", {}, body))

@@ -26,7 +26,7 @@ from vllm_gateway.config.fleet import (  # noqa: F401 - re-exported, see above
     ReloadConfig,
     ScaleRule,
 )
-from vllm_gateway.config.settings import setting
+from vllm_gateway.config.settings import MAX_WEIGHT, setting
 
 # --- sections -------------------------------------------------------------------------------
 
@@ -43,7 +43,12 @@ class WorkerSpec:
         "pinned: its /v1/models does not change them. Empty: learned from its /v1/models "
         "and remembered while it is out.",
     )
-    weight: float = setting(1.0, "Relative share of traffic for weighted policies.", minimum=0.0)
+    weight: float = setting(
+        1.0,
+        "Relative share of traffic for weighted policies.",
+        minimum=0.0,
+        maximum=MAX_WEIGHT,
+    )
     max_num_seqs: int = setting(0, "Its batch size (vLLM --max-num-seqs); 0: learned.", minimum=0)
 
 

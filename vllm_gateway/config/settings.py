@@ -205,6 +205,12 @@ def _coerce_table(value_type: Any, value: Any, where: str, errors: list[str]) ->
     return table
 
 
+# The largest weight a worker or an alias target may have. A weight is a relative share,
+# so a million to one is more than any split needs; bounded so that sums of weights stay
+# finite (a worker weighted 1e308 overflowed the preamble plan's arithmetic, and every
+# request with a popular system prompt failed with it).
+MAX_WEIGHT = 1e6
+
 # A duration with no declared maximum may still not exceed this (about 115 days): beyond
 # it no timer means anything, and some clocks and libraries overflow on huge delays.
 MAX_SECONDS = 1e7

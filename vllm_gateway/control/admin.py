@@ -26,6 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from vllm_gateway.config.gateway import GatewayConfig
+from vllm_gateway.config.settings import MAX_WEIGHT
 from vllm_gateway.control.access import forbidden, require_token
 from vllm_gateway.control.body import get_bool, get_number, get_str, get_str_list, get_url
 from vllm_gateway.control.body import read_json as read_body
@@ -136,7 +137,7 @@ class AdminApi:
         doc = await read_body(request)
         url = get_url(doc)
         models = get_str_list(doc, "models")
-        weight = get_number(doc, "weight", 1.0)
+        weight = get_number(doc, "weight", 1.0, maximum=MAX_WEIGHT)
         worker, added = await self.fleet.add(
             url, source=Source.ADMIN, models=models, weight=weight or 0.0
         )
@@ -182,7 +183,7 @@ class AdminApi:
     async def weight(self, request: web.Request) -> web.Response:
         doc = await read_body(request)
         worker = self._worker(get_url(doc))
-        weight = get_number(doc, "weight", None)
+        weight = get_number(doc, "weight", None, maximum=MAX_WEIGHT)
         if weight is None:
             raise BadRequest("`weight` is required.", param="weight")
         self.registry.set_weight(worker, weight)

@@ -7,6 +7,7 @@ which field was wrong.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import orjson
@@ -75,13 +76,21 @@ def get_bool(doc: dict[str, Any], key: str, default: bool) -> bool:
 
 
 def get_number(
-    doc: dict[str, Any], key: str, default: float | None, minimum: float = 0.0
+    doc: dict[str, Any],
+    key: str,
+    default: float | None,
+    minimum: float = 0.0,
+    maximum: float = math.inf,
 ) -> float | None:
     value = doc.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < minimum:
-        raise BadRequest(f"`{key}` must be a number of at least {minimum:g}.", param=key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRequest(f"`{key}` must be a number.", param=key)
+    if not minimum <= value <= maximum:
+        if math.isinf(maximum):
+            raise BadRequest(f"`{key}` must be a number of at least {minimum:g}.", param=key)
+        raise BadRequest(f"`{key}` must be a number from {minimum:g} to {maximum:g}.", param=key)
     return float(value)
 
 

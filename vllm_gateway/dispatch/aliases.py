@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_gateway.config.load import check_model_name
+from vllm_gateway.config.settings import MAX_WEIGHT
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.log import get_logger
 from vllm_gateway.workers import WorkerRegistry
@@ -82,8 +83,12 @@ def check_alias(name: str, targets: Any) -> str | None:
             return f"alias {name!r}: target {problem}"
         if model == name:
             return f"alias {name!r}: a target cannot be the alias itself"
-        if isinstance(weight, bool) or not isinstance(weight, int | float) or weight < 0:
-            return f"alias {name!r}: weight of {model!r} must be a number >= 0"
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not 0 <= weight <= MAX_WEIGHT
+        ):
+            return f"alias {name!r}: weight of {model!r} must be a number from 0 to {MAX_WEIGHT:g}"
     if not any(w > 0 for w in targets.values()):
         return f"alias {name!r}: at least one weight must be above 0"
     return None

@@ -223,6 +223,9 @@ class _Bins:
 
     def __init__(self, slots: int, weights: list[float]) -> None:
         weights = [x if x > 0 and math.isfinite(x) else 0.0 for x in weights]
+        top = max(weights, default=0.0)
+        if top > 0:  # relative to the largest: a sum of huge weights would overflow
+            weights = [x / top for x in weights]
         total = sum(weights)
         self.n = sum(1 for x in weights if x > 0)
         self.room = [math.ceil(slots * x / total - 1e-9) if total > 0 else 0 for x in weights]
