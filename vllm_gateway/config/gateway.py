@@ -43,12 +43,7 @@ class WorkerSpec:
         "pinned: its /v1/models does not change them. Empty: learned from its /v1/models "
         "and remembered while it is out.",
     )
-    weight: float = setting(
-        1.0,
-        "Relative share of traffic for weighted policies.",
-        minimum=0.0,
-        maximum=MAX_WEIGHT,
-    )
+    weight: float = setting(1.0, "Relative share of traffic.", minimum=0.0, maximum=MAX_WEIGHT)
     max_num_seqs: int = setting(0, "Its batch size (vLLM --max-num-seqs); 0: learned.", minimum=0)
 
 
