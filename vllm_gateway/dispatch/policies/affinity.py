@@ -42,12 +42,15 @@ def pick_bounded(key: str, candidates: Sequence[Worker], bound: float) -> Worker
     if len(candidates) <= 1:
         return candidates[0] if candidates else None
     loads = {w: load(w) for w in candidates}
-    total_weight = sum(w.weight for w in candidates)
-    if total_weight <= 0:
+    top = max(w.weight for w in candidates)
+    if not 0 < top < math.inf:
         return ranked(key, candidates)[0]
-    per_weight = (sum(loads.values()) + 1.0) / total_weight
+    # Weights relative to the largest: their sum is at least 1, so tiny weights (1e-310)
+    # cannot make the load per unit of weight infinite.
+    total = sum(w.weight for w in candidates if w.weight > 0) / top
+    per_share = bound * (sum(loads.values()) + 1.0) / total
     order = ranked(key, candidates)
     for w in order:
-        if loads[w] + 1.0 <= math.ceil(bound * per_weight * w.weight):
+        if w.weight > 0 and loads[w] + 1.0 <= math.ceil(per_share * (w.weight / top)):
             return w
     return order[0]
