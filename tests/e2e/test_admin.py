@@ -13,6 +13,7 @@ from tests.conftest import STEADY_PROBES, wait_until
 from vllm_gateway.app import DISPATCHER, REGISTRY
 from vllm_gateway.cli.admin_client import AdminClient, AdminError
 from vllm_gateway.config.gateway import AdminConfig, WorkerSpec
+from vllm_gateway.workers import WorkerState
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -225,3 +226,33 @@ async def test_a_split_request_waiting_for_a_drained_version_is_split_again(
         assert answer.model == "llama-v2"
         assert models_asked(v2) == Counter({"llama-v2": 1})
         assert (await asyncio.wait_for(first, 10)).model == "llama-v1"  # finished where it ran
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/admin/workers/weight", {"weight": 1e308}, "weight"),
+        ("/admin/workers/weight", {"weight": 2e6}, "weight"),
+        ("/admin/workers/weight", {"weight": None}, "weight"),
+        ("/admin/workers/add", {"weight": 1e308}, "weight"),
+        ("/admin/workers/add", {"weight": None}, "weight"),
+        ("/admin/workers/drain", {"timeout": 1e19}, "timeout"),
+        ("/admin/workers/drain", {"timeout": None}, "timeout"),
+        ("/admin/workers/remove", {"drain": True, "timeout": 1e19}, "timeout"),
+    ],
+)
+async def test_a_weight_or_timeout_out_of_bounds_or_null_is_refused(
+    fake_worker, gateway, http, path, body, param
+):
+    """Out of bounds (a weight past 1e6, a timeout past 1e7 s) or null (what orjson writes
+    for a client's inf or NaN): 400 naming the field, and the worker as it was."""
+    w = await fake_worker(models="m")
+    gw = await gateway([WorkerSpec(w.url)], admin=ADMIN)
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    url = w.url if path != "/admin/workers/add" else "http://127.0.0.1:9"
+    async with http.post(gw.url + path, headers=headers, json={"url": url, **body}) as r:
+        assert r.status == 400
+        error = (await r.json())["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    [worker] = gw.app[REGISTRY]  # (not removed)
+    assert worker.weight == 1.0 and worker.state is not WorkerState.DRAINING

@@ -12,10 +12,12 @@ import json
 import math
 import random
 
+import click
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from vllm_gateway.cli.params import FINITE
 from vllm_gateway.config.gateway import (
     AdminConfig,
     ApiKeyConfig,
@@ -336,3 +338,34 @@ def test_the_preamble_plan_survives_any_weights(weights):
         system = {"role": "system", "content": f"system prompt {i % 3} " * 70}
         body = {"model": "m", "messages": [system, {"role": "user", "content": f"u{i}"}]}
         assert p.select(ws, RequestInfo("/v1/chat/completions", b"", "m", True, "r", {}, body))
+
+
+@pytest.mark.parametrize("policy", ["session", "prefix"])
+@pytest.mark.parametrize("weight", [1e-310, 5e-324, MAX_WEIGHT])
+def test_affinity_policies_take_any_weight_in_bounds(policy, weight):
+    """A weight of 1e-310 is in bounds (above 0); divided into the load it once made the
+    load per unit of weight infinite, and the bound's ceil raised OverflowError."""
+    ws = [Worker(f"http://10.0.0.{i}:8000", models=("m",), weight=weight) for i in range(3)]
+    for i, w in enumerate(ws):
+        w.inflight = 5 * i
+    p = make_policy(policy, random.Random(1), DispatchConfig())
+    for i in range(20):
+        body = {"model": "m", "messages": [{"role": "user", "content": f"u{i}"}]}
+        info = RequestInfo("/v1/chat/completions", b"", "m", True, f"r{i}", {}, body)
+        assert p.select(ws, info) in ws
+
+
+def test_a_null_number_is_refused_where_null_is_not_missing_and_minus_zero_is_zero():
+    with pytest.raises(BadRequest):
+        get_number({"weight": None}, "weight", 1.0, null=False)
+    assert get_number({}, "weight", 1.0, null=False) == 1.0
+    assert get_number({"queue_length": None}, "queue_length", None) is None  # (heartbeats)
+    zero = get_number({"weight": -0.0}, "weight", None)
+    assert zero == 0.0 and math.copysign(1.0, zero) == 1.0
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e400", "x"])
+def test_the_fleet_verbs_refuse_a_number_json_cannot_carry(value):
+    with pytest.raises(click.BadParameter):
+        FINITE.convert(value, None, None)
+    assert FINITE.convert("2.5", None, None) == 2.5

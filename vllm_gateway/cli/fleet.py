@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 import orjson
 
+from vllm_gateway.cli.params import FINITE
+
 if TYPE_CHECKING:  # imported when a command runs, so `vllm-gateway --help` stays quick
     from vllm_gateway.cli.admin_client import AdminClient
+
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 DEFAULT_GATEWAY = "http://127.0.0.1:8000"
@@ -98,17 +101,17 @@ def _gateway_options(f: Callable[..., Any]) -> Callable[..., Any]:
     help="The vLLM server's --api-key, to read its /v1/models.  [env: VLLM_API_KEY]",
 )
 @click.option(
-    "--heartbeat", type=float, metavar="SECONDS", help="Between two heartbeats.  [default: 10]"
+    "--heartbeat", type=FINITE, metavar="SECONDS", help="Between two heartbeats.  [default: 10]"
 )
 @click.option(
     "--drain-timeout",
-    type=float,
+    type=FINITE,
     metavar="SECONDS",
     help="On SIGTERM, longest wait for the worker to go idle.  [default: 600]",
 )
 @click.option(
     "--startup-timeout",
-    type=float,
+    type=FINITE,
     metavar="SECONDS",
     help="Longest wait for the worker's first healthy answer; 0: no limit.  [default: 0]",
 )
@@ -218,7 +221,7 @@ def _num(value: Any) -> str:
 @click.option(
     "--model", "models", multiple=True, metavar="NAME", help="Pin a model name (repeatable)."
 )
-@click.option("--weight", type=float, help="Relative share of traffic.  [default: 1]")
+@click.option("--weight", type=FINITE, help="Relative share of traffic.  [default: 1]")
 @click.pass_context
 def add(ctx: click.Context, url: str, models: tuple[str, ...], weight: float | None) -> None:
     """Add the worker at URL (it is probed at once)."""
@@ -232,7 +235,7 @@ def add(ctx: click.Context, url: str, models: tuple[str, ...], weight: float | N
 @click.option("--drain", is_flag=True, help="Drain first and wait until idle.")
 @click.option(
     "--timeout",
-    type=float,
+    type=FINITE,
     metavar="SECONDS",
     help="Longest wait for idle.  [default: the gateway's admin.drain_timeout]",
 )
@@ -248,7 +251,7 @@ def remove(ctx: click.Context, url: str, drain: bool, timeout: float | None) -> 
 @click.option("--wait", is_flag=True, help="Wait until nothing is in flight on it.")
 @click.option(
     "--timeout",
-    type=float,
+    type=FINITE,
     metavar="SECONDS",
     help="Longest wait.  [default: the gateway's admin.drain_timeout]",
 )
@@ -271,7 +274,7 @@ def undrain(ctx: click.Context, url: str) -> None:
 
 @workers.command(context_settings=CONTEXT)
 @click.argument("url")
-@click.argument("weight", type=float)
+@click.argument("weight", type=FINITE)
 @click.pass_context
 def weight(ctx: click.Context, url: str, weight: float) -> None:
     """Set the worker's relative share of traffic."""
@@ -384,18 +387,18 @@ def scale(ctx: click.Context, as_json: bool) -> None:
 )
 @click.option(
     "--drain-timeout",
-    type=float,
+    type=FINITE,
     metavar="SECONDS",
     help="Longest wait for each worker to go idle.  [default: 600]",
 )
 @click.option(
     "--ready-timeout",
-    type=float,
+    type=FINITE,
     metavar="SECONDS",
     help="Longest wait for each replacement to be ready.  [default: 900]",
 )
 @click.option(
-    "--poll", type=float, metavar="SECONDS", help="Between looks at the gateway.  [default: 0.5]"
+    "--poll", type=FINITE, metavar="SECONDS", help="Between looks at the gateway.  [default: 0.5]"
 )
 def rollout(
     gateway: str,

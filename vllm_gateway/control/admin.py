@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 
 from vllm_gateway.config.gateway import GatewayConfig
-from vllm_gateway.config.settings import MAX_WEIGHT
+from vllm_gateway.config.settings import MAX_SECONDS, MAX_WEIGHT
 from vllm_gateway.control.access import forbidden, require_token
 from vllm_gateway.control.body import get_bool, get_number, get_str, get_str_list, get_url
 from vllm_gateway.control.body import read_json as read_body
@@ -137,7 +137,7 @@ class AdminApi:
         doc = await read_body(request)
         url = get_url(doc)
         models = get_str_list(doc, "models")
-        weight = get_number(doc, "weight", 1.0, maximum=MAX_WEIGHT)
+        weight = get_number(doc, "weight", 1.0, maximum=MAX_WEIGHT, null=False)
         worker, added = await self.fleet.add(
             url, source=Source.ADMIN, models=models, weight=weight or 0.0
         )
@@ -146,9 +146,9 @@ class AdminApi:
     async def remove(self, request: web.Request) -> web.Response:
         doc = await read_body(request)
         worker = self._worker(get_url(doc))
-        idle = True
+        idle, timeout = True, self._timeout(doc)  # checked before anything changes
         if get_bool(doc, "drain", False) and not self.fleet.retire(worker, REMOVED):
-            idle = await self.fleet.wait_idle(worker, self._timeout(doc))  # removed when idle
+            idle = await self.fleet.wait_idle(worker, timeout)  # removed when idle
             if not self.fleet.retiring_worker(worker):
                 # Gone at its last request's end (its URL may have joined again since, as
                 # another worker), or an undrain called the retirement off: the later word.
@@ -161,11 +161,12 @@ class AdminApi:
     async def drain(self, request: web.Request) -> web.Response:
         doc = await read_body(request)
         worker = self._worker(get_url(doc))
+        wait, timeout = get_bool(doc, "wait", False), self._timeout(doc)  # before the drain
         self.fleet.drain(worker)
         started = time.monotonic()
         idle = worker.inflight == 0
-        if get_bool(doc, "wait", False):
-            idle = await self.fleet.wait_idle(worker, self._timeout(doc))
+        if wait:
+            idle = await self.fleet.wait_idle(worker, timeout)
         return json_response(
             {
                 "idle": idle,
@@ -183,14 +184,15 @@ class AdminApi:
     async def weight(self, request: web.Request) -> web.Response:
         doc = await read_body(request)
         worker = self._worker(get_url(doc))
-        weight = get_number(doc, "weight", None, maximum=MAX_WEIGHT)
+        weight = get_number(doc, "weight", None, maximum=MAX_WEIGHT, null=False)
         if weight is None:
             raise BadRequest("`weight` is required.", param="weight")
         self.registry.set_weight(worker, weight)
         return json_response({"worker": self.describe(worker)})
 
     def _timeout(self, doc: dict[str, Any]) -> float:
-        return get_number(doc, "timeout", self.drain_timeout) or 0.0
+        timeout = get_number(doc, "timeout", self.drain_timeout, maximum=MAX_SECONDS, null=False)
+        return timeout or 0.0
 
     # --- aliases and splits ------------------------------------------------------------
 

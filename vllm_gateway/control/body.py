@@ -81,17 +81,21 @@ def get_number(
     default: float | None,
     minimum: float = 0.0,
     maximum: float = math.inf,
+    null: bool = True,
 ) -> float | None:
+    """The number at `key` within `minimum`..`maximum`, or `default` when it is missing
+    (or null, unless `null` is False: a client's inf or NaN, which JSON cannot carry,
+    arrives as null from orjson, and should not pass for "not given")."""
     value = doc.get(key, default)
-    if value is None:
+    if value is None and (null or key not in doc):
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if value is None or isinstance(value, bool) or not isinstance(value, int | float):
         raise BadRequest(f"`{key}` must be a number.", param=key)
     if not minimum <= value <= maximum:
         if math.isinf(maximum):
             raise BadRequest(f"`{key}` must be a number of at least {minimum:g}.", param=key)
         raise BadRequest(f"`{key}` must be a number from {minimum:g} to {maximum:g}.", param=key)
-    return float(value)
+    return float(value) + 0.0  # (-0.0 is 0)
 
 
 def get_str_list(doc: dict[str, Any], key: str) -> list[str]:
