@@ -22,7 +22,6 @@ from vllm_gateway.cli.params import FINITE
 if TYPE_CHECKING:  # imported when a command runs, so `vllm-gateway --help` stays quick
     from vllm_gateway.cli.admin_client import AdminClient
 
-
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 DEFAULT_GATEWAY = "http://127.0.0.1:8000"
 
