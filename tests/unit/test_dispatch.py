@@ -292,6 +292,32 @@ async def test_going_elsewhere_probes_only_a_worker_the_policy_would_rather_have
         assert lease.worker is other  # a learned capacity is not stretched
 
 
+@pytest.mark.parametrize(("inflight", "others"), [(8, 0.0), (5, 3.0)])
+async def test_a_later_turn_takes_the_slot_stretched_for_it_past_its_holders_load_bound(
+    inflight, others
+):
+    """Its history's holder at its probing limit (its own requests, or with another
+    replica's at the last scrape, `others`) and far past the history's load bound (4
+    workers, the others idle): the gate lets the later turn past the limit as the probe,
+    and cache_aware takes that slot, rather than prefill the whole history elsewhere
+    (traced behind two replicas: 670-800 uncached tokens, and the requests queued behind
+    that prefill, made the TTFT tail)."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY,) * 4)
+    for w in ws:
+        room(registry, w)  # scraped, no queue: the gate's probing limit, 8
+    async with d.lease(chat_info("the first question")) as lease:
+        home = lease.worker
+    home.inflight, home.others = inflight, others
+    later = chat_info("the first question", "an answer", "next")
+    async with d.lease(later) as lease:
+        assert lease.worker is home
+    assert d.buckets.capacity_of(home) == 9.0  # the probe, as the gate made it
+    assert later.stretched == [home]
+    first = chat_info("a new conversation")  # nothing held: no stretch, elsewhere
+    async with d.lease(first) as lease:
+        assert lease.worker is not home and not first.stretched
+
+
 async def test_a_worker_stretchable_but_not_chosen_keeps_its_limit():
     """A preferred worker the policy could have had past its limit, but did not choose
     (its own load bound, say), keeps its probing limit: only a request sent there raises it."""

@@ -269,6 +269,7 @@ class Dispatcher:
         else:
             candidates = available
         info.prefill = 0  # set by a policy that knows (a retry may meet another policy)
+        info.stretched = more
         worker = policy.select(candidates, info)
         if worker is None:
             return None

@@ -8,14 +8,17 @@ change to the request path.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from vllm_gateway.config.load import check_model_name
 from vllm_gateway.dispatch.prefix_hash import PrefixBlocks, prefix_blocks
 from vllm_gateway.errors import BadRequest
+
+if TYPE_CHECKING:
+    from vllm_gateway.workers import Worker
 
 SESSION_HEADERS = ("x-session-id", "x-user-id")
 PRIORITY_HEADER = "x-priority"
@@ -34,6 +37,7 @@ class RequestInfo:
         "prefill",
         "request_id",
         "stream",
+        "stretched",
     )
 
     def __init__(
@@ -57,6 +61,9 @@ class RequestInfo:
         # Prompt bytes the chosen worker probably does not cache (set by a policy that
         # knows, cache_aware; 0: unknown): what it owes the worker's prefill backlog.
         self.prefill = 0
+        # Workers the capacity gate let this request past their probing limit, as the
+        # probe the policy asked for (buckets.py `stretch`): a batch slot made for it.
+        self.stretched: Sequence[Worker] = ()
 
     @property
     def session_key(self) -> str | None:

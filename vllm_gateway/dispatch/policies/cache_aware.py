@@ -226,6 +226,7 @@ class CacheAware:
         view = LoadView.of(candidates)
         if view is None:  # all of weight 0 (or nonsense): by load alone
             return self._fallback.select(candidates, info)
+        view.stretched = info.stretched
         if blocks.continued and view.owed:
             self._leave_congested(view, blocks, preamble)
         held = HISTORY_SLACK * (self._bound - 1.0)

@@ -13,7 +13,9 @@ from vllm_gateway.workers import Worker
 class LoadView:
     """The candidates of one request with their loads and speeds: who fits one more."""
 
-    __slots__ = ("candidates", "congested", "least", "loads", "owed", "per_speed", "speeds")
+    __slots__ = (
+        "candidates", "congested", "least", "loads", "owed", "per_speed", "speeds", "stretched"
+    )
 
     @classmethod
     def of(cls, candidates: Sequence[Worker]) -> LoadView | None:
@@ -61,6 +63,9 @@ class LoadView:
         self.least = 0.0
         # Indexes of the candidates whose prefill backlog rules them out (backlog.py).
         self.congested: set[int] | None = None
+        # The candidates the gate let past their probing limit for this request (its
+        # `RequestInfo.stretched`): each has the batch slot made for it.
+        self.stretched: Sequence[Worker] = ()
 
     def fits(self, j: int, extra: float) -> bool:
         """Whether candidate `j` takes one more within its limit,
@@ -81,9 +86,13 @@ class LoadView:
         the gateway's in-flight requests to it, and what other senders had on it at its
         last scrape (`Worker.others`), below the capacity the gate knows (configured,
         learned or its probing limit), or none in flight (as the gate: `Buckets.is_full`);
-        False while none is known. A candidate on the request path always has (the gate
-        let it through); FastChat's /get_worker_address may offer full workers too."""
+        False while none is known. A candidate on the request path has (the gate let it
+        through), or was let past its probing limit as this request's probe (`stretched`:
+        the slot is this request's); FastChat's /get_worker_address may offer full workers
+        too."""
         w = self.candidates[j]
+        if w in self.stretched:
+            return True
         capacity = w.max_num_seqs or w.capacity
         inflight = w.inflight
         return bool(capacity) and (inflight == 0 or inflight + w.others < capacity)
