@@ -197,6 +197,7 @@ class Dispatcher:
         if policy.load_aware:
             with_token = [w for w in candidates if self.buckets.has_token(w)]
             candidates = with_token or candidates
+        info.stretched = ()  # nothing is let past a limit here (`_pick` says why it may)
         worker = policy.select(candidates, info) if candidates else None
         if worker is not None and self.on_placed is not None:  # (the siblings count it too)
             self.on_placed(policy, info, worker)

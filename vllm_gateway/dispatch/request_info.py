@@ -61,8 +61,9 @@ class RequestInfo:
         # Prompt bytes the chosen worker probably does not cache (set by a policy that
         # knows, cache_aware; 0: unknown): what it owes the worker's prefill backlog.
         self.prefill = 0
-        # Workers the capacity gate let this request past their probing limit, as the
-        # probe the policy asked for (buckets.py `stretch`): a batch slot made for it.
+        # Workers the capacity gate would let this request past their probing limit, as
+        # the probe the policy asked for (buckets.py `can_stretch`; the limit is raised,
+        # `stretch`, only for the one chosen): a batch slot it may take.
         self.stretched: Sequence[Worker] = ()
 
     @property

@@ -14,7 +14,14 @@ class LoadView:
     """The candidates of one request with their loads and speeds: who fits one more."""
 
     __slots__ = (
-        "candidates", "congested", "least", "loads", "owed", "per_speed", "speeds", "stretched"
+        "candidates",
+        "congested",
+        "least",
+        "loads",
+        "owed",
+        "per_speed",
+        "speeds",
+        "stretched",
     )
 
     @classmethod
@@ -63,8 +70,8 @@ class LoadView:
         self.least = 0.0
         # Indexes of the candidates whose prefill backlog rules them out (backlog.py).
         self.congested: set[int] | None = None
-        # The candidates the gate let past their probing limit for this request (its
-        # `RequestInfo.stretched`): each has the batch slot made for it.
+        # The candidates the gate would let past their probing limit as this request's
+        # probe (its `RequestInfo.stretched`): each has a batch slot it may take.
         self.stretched: Sequence[Worker] = ()
 
     def fits(self, j: int, extra: float) -> bool:
@@ -86,10 +93,9 @@ class LoadView:
         the gateway's in-flight requests to it, and what other senders had on it at its
         last scrape (`Worker.others`), below the capacity the gate knows (configured,
         learned or its probing limit), or none in flight (as the gate: `Buckets.is_full`);
-        False while none is known. A candidate on the request path has (the gate let it
-        through), or was let past its probing limit as this request's probe (`stretched`:
-        the slot is this request's); FastChat's /get_worker_address may offer full workers
-        too."""
+        False while none is known. A candidate on the request path has one: the gate let
+        it through, or would let this request past its probing limit as the probe
+        (`stretched`); FastChat's /get_worker_address may offer full workers too."""
         w = self.candidates[j]
         if w in self.stretched:
             return True
