@@ -256,8 +256,7 @@ class Dispatcher:
                 if not candidates:
                     return None
                 may_wait = waiter is not None or self.admission.has_room(info.model)
-                max_wait = self.admission.max_wait
-                if may_wait and patient(policy, liked, candidates, waiter, max_wait):
+                if may_wait and patient(policy, liked, candidates, waiter, self.admission.max_wait):
                     return None  # it waits for them (patience.py)
                 # What the policy would rather have, held back only by a guessed limit:
                 # this request is the probe (buckets.py `stretch`), not sent elsewhere to
@@ -269,8 +268,7 @@ class Dispatcher:
                         candidates = [w for w in available if w in more or has_token(w)]
         else:
             candidates = available
-        info.prefill = 0  # set by a policy that knows (a retry may meet another policy)
-        info.stretched = more
+        info.prefill, info.stretched = 0, more  # (a retry may meet another policy)
         worker = policy.select(candidates, info)
         if worker is None:
             return None
