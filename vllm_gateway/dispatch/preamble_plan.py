@@ -75,20 +75,36 @@ def wanted(share: float, n: int, bound: float) -> int:
     return min(n, max(1, need, spare))
 
 
-def _error(share: float, samples: int) -> float:
-    """`Z` standard errors of a share measured over `samples` requests."""
-    return Z * math.sqrt(share * (1.0 - share) / samples) if samples > 0 else 1.0
+def interval(share: float, samples: int) -> tuple[float, float]:
+    """Where a share measured over `samples` requests surely lies, at `Z` standard errors:
+    Wilson's score interval. Not the share plus or minus its plain binomial error, which
+    is 0 at a share of 1 or 0: the first request of a preamble (a share of 1 over one
+    sample) would be sure to have all the traffic, and be planned every worker, then
+    taken back to its part a few requests later, its conversations moved (each move a
+    prefill). Wilson's says a share of 1 over one sample is at least 1 / (1 + Z^2)."""
+    if samples <= 0:
+        return 0.0, 1.0
+    z2 = Z * Z / samples
+    center = (share + z2 / 2) / (1.0 + z2)
+    half = Z / (1.0 + z2) * math.sqrt(share * (1.0 - share) / samples + z2 / (4 * samples))
+    return max(0.0, center - half), min(1.0, center + half)
 
 
-def _fewest(share: float, samples: int, n: int, bound: float) -> int:
-    """The fewest workers a share measured over `samples` surely needs (at `Z` errors)."""
-    return wanted(share - _error(share, samples), n, bound)
+def fewest(share: float, samples: int, n: int, bound: float) -> int:
+    """The fewest workers a share measured over `samples` surely needs (at `Z` errors):
+    `wanted` at the interval's low end, but a worker the rest of the traffic could need
+    at most a part of (under half) is left to this preamble: the interval never closes
+    on a share of 1 (one system prompt for all the traffic), which would otherwise keep a
+    worker out of its plan, there for a rest that is not seen."""
+    low = interval(share, samples)[0]
+    need = math.ceil(n * low / bound - 1e-9)
+    spare = n - math.floor(n * (1.0 - low) * bound + 0.5)
+    return min(n, max(1, need, spare))
 
 
 def _allowed(want: int, share: float, samples: int, n: int, bound: float) -> bool:
     """Whether `want` workers fit a share measured over `samples`, at `Z` standard errors."""
-    error = _error(share, samples)
-    return wanted(share - error, n, bound) <= want <= wanted(share + error, n, bound)
+    return fewest(share, samples, n, bound) <= want <= wanted(interval(share, samples)[1], n, bound)
 
 
 class PreamblePlan:
@@ -204,7 +220,7 @@ class PreamblePlan:
             if p  # 0: the requests with no preamble, counted in the total only
             and (c * HOT * weighted >= total or (p in before and c * 2 * HOT * weighted >= total))
         )
-        wants = [_fewest(counts[p] / total, total, weighted, self._bound) for p in hot]
+        wants = [fewest(counts[p] / total, total, weighted, self._bound) for p in hot]
         bins = _Bins(sum(wants), [w.weight for w in workers])
         for preamble, want in zip(hot, wants, strict=True):  # in hash order, as every replica
             ranks = ranks_for(preamble, workers)

@@ -68,7 +68,7 @@ from vllm_gateway.dispatch.policies.cache_wait import wanted_holders
 from vllm_gateway.dispatch.policies.load_view import LoadView
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
 from vllm_gateway.dispatch.policies.rendezvous import Ranks, rendezvous_rank
-from vllm_gateway.dispatch.preamble_plan import Shares, wanted
+from vllm_gateway.dispatch.preamble_plan import Shares, fewest
 from vllm_gateway.dispatch.prefix_hash import PrefixBlocks
 from vllm_gateway.dispatch.prefix_index import PrefixIndex
 from vllm_gateway.dispatch.request_info import RequestInfo
@@ -327,9 +327,11 @@ class CacheAware:
             if not preamble:  # nothing shared to cache: spread by the key
                 return None
             # The others: each may carry `load_bound` x its fair share, so a preamble with
-            # share s needs n x s / load_bound workers, the first of its own order.
+            # share s needs n x s / load_bound workers, the first of its own order; the
+            # fewest its share surely needs, as planned (a new one's share, from a few
+            # requests, may be anything).
             weighted = sum(1 for x in view.speeds if x > 0)  # candidates that may be chosen
-            want = wanted(share, weighted, self._bound)
+            want = fewest(share, shares.samples, weighted, self._bound)
             if want >= weighted:
                 return None
             ranks = ranks_for(preamble, candidates)
