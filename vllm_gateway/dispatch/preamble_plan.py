@@ -222,10 +222,21 @@ class PreamblePlan:
         )
         wants = [fewest(counts[p] / total, total, weighted, self._bound) for p in hot]
         bins = _Bins(sum(wants), [w.weight for w in workers])
-        for preamble, want in zip(hot, wants, strict=True):  # in hash order, as every replica
-            ranks = ranks_for(preamble, workers)
-            taken = bins.take(ranks, want)
-            planned[preamble] = (want, frozenset(workers[j].url for j in taken))
+        ranks = [ranks_for(p, workers) for p in hot]
+        taken: list[list[int]] = [[] for _ in hot]
+        # Dealt in rounds, one worker per preamble each (in hash order, as every replica):
+        # a preamble planned one worker more (its share crossed a boundary) takes it in a
+        # later round, after every preamble's first, so the others keep theirs. Dealt a
+        # preamble at a time, its extra worker would be taken before the next preambles'
+        # first, and push them onto other workers: each such move a prefill of every
+        # conversation there, and behind two replicas, whose shares cross the boundary at
+        # different times, conversations sent back and forth until both have.
+        for round_ in range(max(wants, default=0)):
+            for i, want in enumerate(wants):
+                if round_ < want:
+                    taken[i].extend(bins.take(ranks[i], 1, taken[i]))
+        for preamble, want, got in zip(hot, wants, taken, strict=True):
+            planned[preamble] = (want, frozenset(workers[j].url for j in got))
         self._planned = planned
 
 
@@ -247,11 +258,12 @@ class _Bins:
         self.room = [math.ceil(slots * x / total - 1e-9) if total > 0 else 0 for x in weights]
         self.used = [0] * len(weights)
 
-    def take(self, ranks: list[float], count: int) -> list[int]:
+    def take(self, ranks: list[float], count: int, had: Sequence[int] = ()) -> list[int]:
         """The `count` least planned workers with room, by rank among equals (the first of
-        the preamble's own order); each is planned one more preamble."""
+        the preamble's own order), other than those it `had`; each is planned one more
+        preamble."""
         room, used = self.room, self.used
-        order = sorted((j for j in range(len(room)) if used[j] < room[j]),
+        order = sorted((j for j in range(len(room)) if used[j] < room[j] and j not in had),
                        key=lambda j: (used[j], ranks[j]))  # fmt: skip
         taken = order[:count]
         for j in taken:
