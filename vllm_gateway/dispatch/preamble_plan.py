@@ -15,10 +15,12 @@ histories, past its KV cache, and prefills them again and again, while another w
 caches none.
 
 The plan places the popular preambles (each at least `1 / (HOT x n)` of the recent
-requests; once planned, until below half that) together, in the order of their hashes:
-each takes the least planned workers, the first of its own rendezvous order among
-equals, within each worker's part (by weight) of all the slots the popular preambles
-want. So each worker caches about its part of them, and none two while another has none.
+requests; once planned, until below half that) together, dealt in rounds: in each, every
+preamble that wants one worker more, in the order of their hashes, takes the least
+planned worker it does not have, the first of its own rendezvous order among equals,
+within each worker's part (by weight) of all the slots the popular preambles want. So
+each worker caches about its part of them, and none two while another has none; and a
+preamble planned one worker more takes it after every preamble's first, moving no other.
 A plan is a function of the shares and the workers only, made from scratch each time, so
 two replicas (requests alternate between them, so they measure about the same shares)
 make the same plan, and any difference lasts until the next; and counted in preambles,
@@ -26,9 +28,11 @@ not in their exact shares, so shares wandering do not move preambles (each move 
 prefill) while the popular ones and their numbers of workers stay the same.
 
 Each popular preamble is planned the fewest workers its measured share surely needs (at
-`Z` standard errors): a preamble near a boundary (a third of the traffic on 4 workers)
-gets the fewer, and its overflow goes past its planned workers at dispatch, rather than
-every worker caching two preambles where one would do for most of the time.
+`Z` standard errors, Wilson's interval: `interval`, `fewest`): a preamble near a boundary
+(a third of the traffic on 4 workers) gets the fewer, and its overflow goes past its
+planned workers at dispatch, rather than every worker caching two preambles where one
+would do for most of the time; and a preamble's first requests, few samples, are not sure
+to be all the traffic.
 
 When it is made: when a popular preamble is not in it; when a preamble's planned number
 of workers falls outside what its measured share allows at `Z` standard errors (a share
@@ -46,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 
 from vllm_gateway.workers import Worker
 
@@ -223,7 +227,7 @@ class PreamblePlan:
         wants = [fewest(counts[p] / total, total, weighted, self._bound) for p in hot]
         bins = _Bins(sum(wants), [w.weight for w in workers])
         ranks = [ranks_for(p, workers) for p in hot]
-        taken: list[list[int]] = [[] for _ in hot]
+        taken: list[set[int]] = [set() for _ in hot]
         # Dealt in rounds, one worker per preamble each (in hash order, as every replica):
         # a preamble planned one worker more (its share crossed a boundary) takes it in a
         # later round, after every preamble's first, so the others keep theirs. Dealt a
@@ -234,7 +238,7 @@ class PreamblePlan:
         for round_ in range(max(wants, default=0)):
             for i, want in enumerate(wants):
                 if round_ < want:
-                    taken[i].extend(bins.take(ranks[i], 1, taken[i]))
+                    taken[i].update(bins.take(ranks[i], 1, taken[i]))
         for preamble, want, got in zip(hot, wants, taken, strict=True):
             planned[preamble] = (want, frozenset(workers[j].url for j in got))
         self._planned = planned
@@ -258,7 +262,7 @@ class _Bins:
         self.room = [math.ceil(slots * x / total - 1e-9) if total > 0 else 0 for x in weights]
         self.used = [0] * len(weights)
 
-    def take(self, ranks: list[float], count: int, had: Sequence[int] = ()) -> list[int]:
+    def take(self, ranks: list[float], count: int, had: Set[int] = frozenset()) -> list[int]:
         """The `count` least planned workers with room, by rank among equals (the first of
         the preamble's own order), other than those it `had`; each is planned one more
         preamble."""

@@ -26,7 +26,8 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    The preamble (the system prompt) is shared by many conversations: they go
    to the first `ceil(workers x its share of recent requests / load_bound)` workers in
    the preamble's own rendezvous order (each worker may carry `load_bound` times its fair
-   share; all of them for a preamble with most of the traffic), so each worker caches
+   share; all of them for a preamble with most of the traffic; counted as the fewest its
+   measured share surely needs, preamble_plan.py `fewest`), so each worker caches
    few preambles and has room for histories. When all of those are past the bound, the
    preamble's next worker in its own order that has room takes the conversation: its
    overflow lands where its earlier overflow went, in every replica alike, so one more
