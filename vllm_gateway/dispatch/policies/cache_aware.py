@@ -328,9 +328,7 @@ class CacheAware:
             if not preamble:  # nothing shared to cache: spread by the key
                 return None
             # The others: each may carry `load_bound` x its fair share, so a preamble with
-            # share s needs n x s / load_bound workers, the first of its own order; the
-            # fewest its share surely needs, as planned (a new one's share, from a few
-            # requests, may be anything).
+            # share s surely needs n x s / load_bound workers (`fewest`), of its own order.
             weighted = sum(1 for x in view.speeds if x > 0)  # candidates that may be chosen
             want = fewest(share, shares.samples, weighted, self._bound)
             if want >= weighted:
