@@ -20,7 +20,8 @@ preamble that wants one worker more, in the order of their hashes, takes the lea
 planned worker it does not have, the first of its own rendezvous order among equals,
 within each worker's part (by weight) of all the slots the popular preambles want. So
 each worker caches about its part of them, and none two while another has none; and a
-preamble planned one worker more takes it after every preamble's first, moving no other.
+preamble planned one worker more takes it after every preamble's first, so it seldom
+moves another (never while the others want one worker each).
 A plan is a function of the shares and the workers only, made from scratch each time, so
 two replicas (requests alternate between them, so they measure about the same shares)
 make the same plan, and any difference lasts until the next; and counted in preambles,
@@ -28,11 +29,9 @@ not in their exact shares, so shares wandering do not move preambles (each move 
 prefill) while the popular ones and their numbers of workers stay the same.
 
 Each popular preamble is planned the fewest workers its measured share surely needs (at
-`Z` standard errors, Wilson's interval: `interval`, `fewest`): a preamble near a boundary
-(a third of the traffic on 4 workers) gets the fewer, and its overflow goes past its
-planned workers at dispatch, rather than every worker caching two preambles where one
-would do for most of the time; and a preamble's first requests, few samples, are not sure
-to be all the traffic.
+`Z` standard errors): a preamble near a boundary (a third of the traffic on 4 workers)
+gets the fewer, and its overflow goes past its planned workers at dispatch, rather than
+every worker caching two preambles where one would do for most of the time.
 
 When it is made: when a popular preamble is not in it; when a preamble's planned number
 of workers falls outside what its measured share allows at `Z` standard errors (a share
@@ -79,36 +78,20 @@ def wanted(share: float, n: int, bound: float) -> int:
     return min(n, max(1, need, spare))
 
 
-def interval(share: float, samples: int) -> tuple[float, float]:
-    """Where a share measured over `samples` requests surely lies, at `Z` standard errors:
-    Wilson's score interval. Not the share plus or minus its plain binomial error, which
-    is 0 at a share of 1 or 0: the first request of a preamble (a share of 1 over one
-    sample) would be sure to have all the traffic, and be planned every worker, then
-    taken back to its part a few requests later, its conversations moved (each move a
-    prefill). Wilson's says a share of 1 over one sample is at least 1 / (1 + Z^2)."""
-    if samples <= 0:
-        return 0.0, 1.0
-    z2 = Z * Z / samples
-    center = (share + z2 / 2) / (1.0 + z2)
-    half = Z / (1.0 + z2) * math.sqrt(share * (1.0 - share) / samples + z2 / (4 * samples))
-    return max(0.0, center - half), min(1.0, center + half)
+def _error(share: float, samples: int) -> float:
+    """`Z` standard errors of a share measured over `samples` requests."""
+    return Z * math.sqrt(share * (1.0 - share) / samples) if samples > 0 else 1.0
 
 
-def fewest(share: float, samples: int, n: int, bound: float) -> int:
-    """The fewest workers a share measured over `samples` surely needs (at `Z` errors):
-    `wanted` at the interval's low end, but a worker the rest of the traffic could need
-    at most a part of (under half) is left to this preamble: the interval never closes
-    on a share of 1 (one system prompt for all the traffic), which would otherwise keep a
-    worker out of its plan, there for a rest that is not seen."""
-    low = interval(share, samples)[0]
-    need = math.ceil(n * low / bound - 1e-9)
-    spare = n - math.floor(n * (1.0 - low) * bound + 0.5)
-    return min(n, max(1, need, spare))
+def _fewest(share: float, samples: int, n: int, bound: float) -> int:
+    """The fewest workers a share measured over `samples` surely needs (at `Z` errors)."""
+    return wanted(share - _error(share, samples), n, bound)
 
 
 def _allowed(want: int, share: float, samples: int, n: int, bound: float) -> bool:
     """Whether `want` workers fit a share measured over `samples`, at `Z` standard errors."""
-    return fewest(share, samples, n, bound) <= want <= wanted(interval(share, samples)[1], n, bound)
+    error = _error(share, samples)
+    return wanted(share - error, n, bound) <= want <= wanted(share + error, n, bound)
 
 
 class PreamblePlan:
@@ -224,7 +207,7 @@ class PreamblePlan:
             if p  # 0: the requests with no preamble, counted in the total only
             and (c * HOT * weighted >= total or (p in before and c * 2 * HOT * weighted >= total))
         )
-        wants = [fewest(counts[p] / total, total, weighted, self._bound) for p in hot]
+        wants = [_fewest(counts[p] / total, total, weighted, self._bound) for p in hot]
         bins = _Bins(sum(wants), [w.weight for w in workers])
         ranks = [ranks_for(p, workers) for p in hot]
         taken: list[set[int]] = [set() for _ in hot]
@@ -238,9 +221,14 @@ class PreamblePlan:
         for round_ in range(max(wants, default=0)):
             for i, want in enumerate(wants):
                 if round_ < want:
-                    taken[i].update(bins.take(ranks[i], 1, taken[i]))
-        for preamble, want, got in zip(hot, wants, taken, strict=True):
-            planned[preamble] = (want, frozenset(workers[j].url for j in got))
+                    # Room left only on workers it has (the round's last picks filled the
+                    # others): past the slots on the least planned of the rest, so a
+                    # preamble gets the workers it wants (one worker caching one preamble
+                    # more, not its traffic squeezed onto fewer than it needs).
+                    got = bins.take(ranks[i], taken[i]) or bins.take(ranks[i], taken[i], True)
+                    taken[i].update(got)
+        for preamble, want, has in zip(hot, wants, taken, strict=True):
+            planned[preamble] = (want, frozenset(workers[j].url for j in has))
         self._planned = planned
 
 
@@ -262,14 +250,15 @@ class _Bins:
         self.room = [math.ceil(slots * x / total - 1e-9) if total > 0 else 0 for x in weights]
         self.used = [0] * len(weights)
 
-    def take(self, ranks: list[float], count: int, had: Set[int] = frozenset()) -> list[int]:
-        """The `count` least planned workers with room, by rank among equals (the first of
-        the preamble's own order), other than those it `had`; each is planned one more
-        preamble."""
+    def take(self, ranks: list[float], had: Set[int], spill: bool = False) -> list[int]:
+        """[the least planned worker with room, by rank among equals (the first of the
+        preamble's own order), other than those it `had`] (empty: none); `spill`: any of
+        weight > 0, room or not. It is planned one more preamble."""
         room, used = self.room, self.used
-        order = sorted((j for j in range(len(room)) if used[j] < room[j] and j not in had),
+        order = sorted((j for j in range(len(room))
+                        if (used[j] < room[j] or (spill and room[j] > 0)) and j not in had),
                        key=lambda j: (used[j], ranks[j]))  # fmt: skip
-        taken = order[:count]
+        taken = order[:1]
         for j in taken:
             used[j] += 1
         return taken

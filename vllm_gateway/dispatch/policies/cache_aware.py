@@ -26,8 +26,7 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    The preamble (the system prompt) is shared by many conversations: they go
    to the first `ceil(workers x its share of recent requests / load_bound)` workers in
    the preamble's own rendezvous order (each worker may carry `load_bound` times its fair
-   share; all of them for a preamble with most of the traffic; counted as the fewest its
-   measured share surely needs, preamble_plan.py `fewest`), so each worker caches
+   share; all of them for a preamble with most of the traffic), so each worker caches
    few preambles and has room for histories. When all of those are past the bound, the
    preamble's next worker in its own order that has room takes the conversation: its
    overflow lands where its earlier overflow went, in every replica alike, so one more
@@ -69,7 +68,7 @@ from vllm_gateway.dispatch.policies.cache_wait import wanted_holders
 from vllm_gateway.dispatch.policies.load_view import LoadView
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
 from vllm_gateway.dispatch.policies.rendezvous import Ranks, rendezvous_rank
-from vllm_gateway.dispatch.preamble_plan import Shares, fewest
+from vllm_gateway.dispatch.preamble_plan import Shares, wanted
 from vllm_gateway.dispatch.prefix_hash import PrefixBlocks
 from vllm_gateway.dispatch.prefix_index import PrefixIndex
 from vllm_gateway.dispatch.request_info import RequestInfo
@@ -328,9 +327,9 @@ class CacheAware:
             if not preamble:  # nothing shared to cache: spread by the key
                 return None
             # The others: each may carry `load_bound` x its fair share, so a preamble with
-            # share s surely needs n x s / load_bound workers (`fewest`), of its own order.
+            # share s needs n x s / load_bound workers, the first of its own order.
             weighted = sum(1 for x in view.speeds if x > 0)  # candidates that may be chosen
-            want = fewest(share, shares.samples, weighted, self._bound)
+            want = wanted(share, weighted, self._bound)
             if want >= weighted:
                 return None
             ranks = ranks_for(preamble, candidates)
