@@ -51,19 +51,19 @@ def test_a_preamble_planned_one_worker_more_keeps_its_own_and_moves_no_other(see
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_every_preamble_gets_the_workers_it_wants_and_none_doubles_while_one_idles(seed):
+def test_every_preamble_gets_the_workers_it_wants_and_no_worker_more_than_its_part(seed):
     """Dealt in rounds, the last picks of a round can fill the workers a preamble does not
-    have yet (2 workers; wants 2, 1, 1: the two small ones first on both): it still gets
-    its second worker, past that worker's slots, rather than fewer than it needs."""
+    have yet (2 workers; wants 2, 1, 1: the big one takes one worker, both small ones the
+    other's two slots): a small one makes way, so the big one gets its second worker and
+    no worker caches more than its part of the slots (equal weights here)."""
     rng = random.Random(seed)
     n = rng.choice([2, 2, 3, 4, 6])
     ws = [Worker(f"http://d{seed}-{i}.test:8000", models=("m",)) for i in range(n)]
     if n == 2:
         counts = dict(zip(rng.sample(range(1, 1 << 31), 3), (737, 143, 144), strict=True))
     else:
-        counts = {
-            p: rng.randint(50, 900) for p in rng.sample(range(1, 1 << 31), rng.randint(2, n + 2))
-        }
+        preambles = rng.sample(range(1, 1 << 31), rng.randint(2, n + 2))
+        counts = {p: rng.randint(50, 900) for p in preambles}
     total = sum(counts.values())
     plan = PreamblePlan(BOUND)
     plan._build(ws, counts, Ranks().cached)
@@ -73,4 +73,5 @@ def test_every_preamble_gets_the_workers_it_wants_and_none_doubles_while_one_idl
         assert want == _fewest(counts[p] / total, total, n, BOUND)
         assert len(urls) == want, planned
     per = Counter(u for _, urls in planned.values() for u in urls)
-    assert max(per.values()) == 1 or len(per) == n, planned
+    part = -(-sum(want for want, _ in planned.values()) // n)
+    assert max(per.values()) <= part, planned

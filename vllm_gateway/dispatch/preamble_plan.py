@@ -21,7 +21,10 @@ planned worker it does not have, the first of its own rendezvous order among equ
 within each worker's part (by weight) of all the slots the popular preambles want. So
 each worker caches about its part of them, and none two while another has none; and a
 preamble planned one worker more takes it after every preamble's first, so it seldom
-moves another (never while the others want one worker each).
+moves another (with equal weights, never while the others want one worker each). When
+the round's last picks leave room only on workers a preamble has, another preamble makes
+way (moves from a full worker it lacks to one with room), or past that the preamble takes
+the least planned of the rest over its slots: it gets the workers it wants.
 A plan is a function of the shares and the workers only, made from scratch each time, so
 two replicas (requests alternate between them, so they measure about the same shares)
 make the same plan, and any difference lasts until the next; and counted in preambles,
@@ -213,7 +216,8 @@ class PreamblePlan:
         taken: list[set[int]] = [set() for _ in hot]
         # Dealt in rounds, one worker per preamble each (in hash order, as every replica):
         # a preamble planned one worker more (its share crossed a boundary) takes it in a
-        # later round, after every preamble's first, so the others keep theirs. Dealt a
+        # later round, after every preamble's first, so the others' first workers stay
+        # (with equal weights: weights share the slots out by their total). Dealt a
         # preamble at a time, its extra worker would be taken before the next preambles'
         # first, and push them onto other workers: each such move a prefill of every
         # conversation there, and behind two replicas, whose shares cross the boundary at
@@ -222,10 +226,11 @@ class PreamblePlan:
             for i, want in enumerate(wants):
                 if round_ < want:
                     # Room left only on workers it has (the round's last picks filled the
-                    # others): past the slots on the least planned of the rest, so a
-                    # preamble gets the workers it wants (one worker caching one preamble
-                    # more, not its traffic squeezed onto fewer than it needs).
-                    got = bins.take(ranks[i], taken[i]) or bins.take(ranks[i], taken[i], True)
+                    # others): another preamble makes way, else past the slots on the least
+                    # planned of the rest, so a preamble gets the workers it wants (not its
+                    # traffic squeezed onto fewer than it needs).
+                    got = (bins.take(ranks[i], taken[i]) or bins.make_way(ranks, taken, i)
+                           or bins.take(ranks[i], taken[i], True))  # fmt: skip
                     taken[i].update(got)
         for preamble, want, has in zip(hot, wants, taken, strict=True):
             planned[preamble] = (want, frozenset(workers[j].url for j in has))
@@ -233,7 +238,8 @@ class PreamblePlan:
 
 
 class _Bins:
-    """How many preambles each worker is planned at most, and so far: the slots all of
+    """How many preambles each worker is planned at most (past it only to spill, `take`),
+    and so far: the slots all of
     them need (their wants summed), shared out by weight (rounded up), so each worker
     caches about its part of the popular preambles and none caches two while another has
     none. Counted in preambles, not in their exact shares: measured shares wander, and a
@@ -246,8 +252,8 @@ class _Bins:
         if top > 0:  # relative to the largest: a sum of huge weights would overflow
             weights = [x / top for x in weights]
         total = sum(weights)
-        self.n = sum(1 for x in weights if x > 0)
-        self.room = [math.ceil(slots * x / total - 1e-9) if total > 0 else 0 for x in weights]
+        # At least one for any weight > 0: a worker counted in a preamble's want may take it.
+        self.room = [max(1, math.ceil(slots * x / total - 1e-9)) if x > 0 else 0 for x in weights]
         self.used = [0] * len(weights)
 
     def take(self, ranks: list[float], had: Set[int], spill: bool = False) -> list[int]:
@@ -262,6 +268,28 @@ class _Bins:
         for j in taken:
             used[j] += 1
         return taken
+
+    def make_way(self, ranks: list[list[float]], taken: list[set[int]], i: int) -> list[int]:
+        """[a full worker preamble `i` lacks (the least planned first, by its rank)], freed
+        for it by another preamble that moves from there to the least planned worker with
+        room it lacks (by its own rank); empty when no such move exists. `ranks` and
+        `taken`: every preamble's, by index."""
+        room, used = self.room, self.used
+        mine = taken[i]
+        full = sorted((x for x in range(len(room)) if room[x] > 0 and x not in mine),
+                      key=lambda x: (used[x], ranks[i][x]))  # fmt: skip
+        for x in full:
+            for q, has in enumerate(taken):
+                if q == i or x not in has:
+                    continue
+                free = [z for z in range(len(room)) if used[z] < room[z] and z not in has]
+                if free:
+                    z = min(free, key=lambda z: (used[z], ranks[q][z]))
+                    has.discard(x)
+                    has.add(z)
+                    used[z] += 1
+                    return [x]  # (x stays as used: it is preamble i's now)
+        return []
 
 
 class Shares:
