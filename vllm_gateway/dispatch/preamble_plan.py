@@ -239,12 +239,12 @@ class PreamblePlan:
 
 class _Bins:
     """How many preambles each worker is planned at most (past it only to spill, `take`),
-    and so far: the slots all of
-    them need (their wants summed), shared out by weight (rounded up), so each worker
-    caches about its part of the popular preambles and none caches two while another has
-    none. Counted in preambles, not in their exact shares: measured shares wander, and a
-    plan that followed them would move preambles (each move a prefill) for nothing; the
-    load bound at dispatch keeps the traffic in check. A worker of weight 0 takes none."""
+    and so far: the slots all of them need (their wants summed), shared out by weight
+    (rounded up, at least one for a weight > 0), so each worker caches about its part of
+    the popular preambles and none caches two while another has none. Counted in
+    preambles, not in their exact shares: measured shares wander, and a plan that
+    followed them would move preambles (each move a prefill) for nothing; the load bound
+    at dispatch keeps the traffic in check. A worker of weight 0 takes none."""
 
     def __init__(self, slots: int, weights: list[float]) -> None:
         weights = [x if x > 0 and math.isfinite(x) else 0.0 for x in weights]
@@ -276,13 +276,16 @@ class _Bins:
         `taken`: every preamble's, by index."""
         room, used = self.room, self.used
         mine = taken[i]
+        # (Every worker it lacks is full, or `take` would have found it: those with room
+        # are among its own, a few.)
+        roomy = [z for z in range(len(room)) if used[z] < room[z]]
         full = sorted((x for x in range(len(room)) if room[x] > 0 and x not in mine),
                       key=lambda x: (used[x], ranks[i][x]))  # fmt: skip
         for x in full:
             for q, has in enumerate(taken):
                 if q == i or x not in has:
                     continue
-                free = [z for z in range(len(room)) if used[z] < room[z] and z not in has]
+                free = [z for z in roomy if z not in has]
                 if free:
                     z = min(free, key=lambda z: (used[z], ranks[q][z]))
                     has.discard(x)
