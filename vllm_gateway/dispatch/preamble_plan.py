@@ -261,13 +261,13 @@ class _Bins:
         preamble's own order), other than those it `had`] (empty: none); `spill`: any of
         weight > 0, room or not. It is planned one more preamble."""
         room, used = self.room, self.used
-        order = sorted((j for j in range(len(room))
-                        if (used[j] < room[j] or (spill and room[j] > 0)) and j not in had),
-                       key=lambda j: (used[j], ranks[j]))  # fmt: skip
-        taken = order[:1]
-        for j in taken:
-            used[j] += 1
-        return taken
+        free = [j for j in range(len(room))
+                if (used[j] < room[j] or (spill and room[j] > 0)) and j not in had]  # fmt: skip
+        if not free:
+            return []
+        j = min(free, key=lambda j: (used[j], ranks[j]))
+        used[j] += 1
+        return [j]
 
     def make_way(self, ranks: list[list[float]], taken: list[set[int]], i: int) -> list[int]:
         """[a full worker preamble `i` lacks (the least planned first, by its rank)], freed
