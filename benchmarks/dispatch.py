@@ -1,16 +1,17 @@
 """Dispatch under workload families: the gateway's policies beside vllm-router's.
 
 For each family (benchmarks/families.py: hetero, multiturn, burst, longtail, docqa,
-agent, docchat) and each system (vllm-router with `cache_aware` and `power_of_two` when it is
-installed; the gateway with each of --policies), one measurement starts fresh fake
-workers (each its own process, with an empty prefix cache), starts the system in front
-of them (--replicas processes of it, requests alternating between them), plays the
-family's conversations from this process, and stops everything. Per family and system it
-reports TTFT p50/p99, end-to-end p99, throughput (measured turns completed / time from
-the first one due to the last one done), errors, and the workers' prefix-cache hit rate
-(hits / queries, from the increase of their /metrics counters over the measured window).
-Every figure is the median over --runs runs; systems take turns within a run, and every
-system sees the same conversations in a run (same seed).
+agent, docchat, longchat) and each system (vllm-router with `cache_aware` and
+`power_of_two` when it is installed; the gateway with each of --policies), one
+measurement starts fresh fake workers (each its own process, with an empty prefix
+cache), starts the system in front of them (--replicas processes of it, requests
+alternating between them), plays the family's conversations from this process, and stops
+everything. Per family and system it reports TTFT p50/p99, end-to-end p99, throughput
+(measured turns completed / time from the first one due to the last one done), errors,
+and the workers' prefix-cache hit rate (hits / queries, from the increase of their
+/metrics counters over the measured window). Every figure is the median over --runs
+runs; systems take turns within a run, and every system sees the same conversations in a
+run (same seed).
 
 Run it with scripts/bench_dispatch (see docs/benchmarks.md).
 """

@@ -27,6 +27,9 @@
                turns, each quoting one of 6 long documents (2000 tokens, Zipf popularity)
                in its first user message, then asking about it: the shared prefix is most
                of every prompt and a large part of a worker's KV cache.
+    longchat   6 workers of mixed speed (4 fast, 2 at half speed), each with a prefix
+               cache; 110 conversations of 6-16 turns under one short system prompt:
+               nothing is shared but each conversation's own long, growing history.
 
 Every family's rates come from the capacity its workers compute to (workload.py), so a
 change of worker speed or batch size changes the load with it. Conversations that start
@@ -312,6 +315,44 @@ def docchat(sizes: Sizes) -> Family:
     return Family("docchat", workers, setup, build)
 
 
+# longchat's shape: the most common chat deployment. A short system prompt (below a
+# block: nothing shared across conversations), long conversations whose own history is
+# most of every prompt, on a fleet of mixed speed: a turn sent away from its history
+# prefills all of it again (up to ~1600 tokens, ~0.5 s on a fast worker).
+LONG_CONVERSATIONS, LONG_TURNS, LONG_USER_WORDS, LONG_ANSWER_TOKENS = 110, (6, 16), 60, 40
+LONG_THINK, LONG_PREFILL_MS_PER_TOKEN = 0.6, 0.3
+
+
+def longchat(sizes: Sizes) -> Family:
+    low, high = LONG_TURNS
+    history = (low + high) / 2 * (LONG_USER_WORDS + LONG_ANSWER_TOKENS)
+    every = LONG_CONVERSATIONS * math.ceil(history / BLOCK_SIZE)
+    fast, slow = 4, 2
+    blocks = math.ceil(sizes.cache_share * every / (fast + slow))
+    workers = (WorkerSpec(20, 20, 16, blocks, LONG_PREFILL_MS_PER_TOKEN),) * fast + (
+        WorkerSpec(40, 40, 8, blocks, 2 * LONG_PREFILL_MS_PER_TOKEN),
+    ) * slow
+    user, answer = spread(LONG_USER_WORDS), spread(LONG_ANSWER_TOKENS)
+    end = sizes.warmup + sizes.duration
+
+    def build(rng: random.Random) -> list[Conversation]:
+        starts = sorted(rng.uniform(0.0, end) for _ in range(LONG_CONVERSATIONS))
+        out = []
+        for i, start in enumerate(starts):
+            turns = _turns(rng, rng.randint(low, high), user, answer, LONG_THINK, f"L{i}")
+            out.append(Conversation(start, "You are a helpful assistant.", f"long{i}", turns))
+        return out
+
+    setup = (
+        f"{LONG_CONVERSATIONS} conversations of {low}-{high} turns starting over {end:g} s "
+        f"under one short system prompt; user messages {LONG_USER_WORDS} +-50%, answers "
+        f"{LONG_ANSWER_TOKENS} +-50% tokens, think time exp. mean {LONG_THINK:g} s; KV cache "
+        f"{blocks} blocks per worker = {sizes.cache_share:g} of all conversations' {every} / "
+        f"{fast + slow}"
+    )
+    return Family("longchat", workers, setup, build)
+
+
 FAMILIES: dict[str, Callable[[Sizes], Family]] = {
     "hetero": hetero,
     "multiturn": multiturn,
@@ -320,4 +361,5 @@ FAMILIES: dict[str, Callable[[Sizes], Family]] = {
     "docqa": docqa,
     "agent": agent,
     "docchat": docchat,
+    "longchat": longchat,
 }

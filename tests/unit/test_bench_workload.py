@@ -17,6 +17,7 @@ from benchmarks.families import (
     agent,
     docchat,
     docqa,
+    longchat,
     multiturn,
 )
 from benchmarks.workload import WorkerSpec, bursts, poisson
@@ -47,6 +48,23 @@ def test_families_are_deterministic_per_seed() -> None:
         one, two = family.build(random.Random(5)), family.build(random.Random(5))
         assert one == two and one != family.build(random.Random(6))
         assert all(0 <= c.start < SIZES.warmup + SIZES.duration for c in one)
+
+
+def test_longchat_shares_nothing_but_each_conversations_own_history() -> None:
+    family = longchat(SIZES)
+    conversations = family.build(random.Random(0))
+    assert len(conversations) == 110
+    assert {len(c.turns) for c in conversations} <= set(range(6, 17))
+    # One system prompt, shorter than a KV block (16 words): no prefix shared across them.
+    (system,) = {c.system for c in conversations}
+    assert len(system.split()) < 16
+    assert len({c.turns[0].user for c in conversations}) == 110
+    fast = [w for w in family.workers if w.tpot_ms == 20]
+    slow = [w for w in family.workers if w.tpot_ms == 40]
+    assert len(fast) == 4 and len(slow) == 2
+    assert all(w.prefill_ms_per_token == 2 * fast[0].prefill_ms_per_token for w in slow)
+    bigger = longchat(Sizes(3, 15, 0.7, cache_share=1.0)).workers[0].num_gpu_blocks
+    assert bigger == pytest.approx(2 * family.workers[0].num_gpu_blocks, abs=1)
 
 
 def test_multiturn_cache_holds_a_share_of_every_conversation() -> None:
