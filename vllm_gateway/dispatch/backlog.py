@@ -51,8 +51,9 @@ def uncached(
 
 def worth_checking(owed: float, least: float, speeds: Sequence[float], size: int) -> bool:
     """Whether any candidate may be left out (`congested` would find one): the largest
-    backlog `owed`, at the largest speed class, past the least by more than `size`. A
-    speed class is at most 1.5x the ratio it rounds; speed 0 (weight 0) never counts."""
+    backlog `owed`, at the largest speed class, past the least by more than `size` (a
+    typical candidate owes at least the least). A speed class is at most 1.5x the ratio it
+    rounds; speed 0 (weight 0) never counts."""
     low = min((x for x in speeds if x > 0), default=0.0)
     return low > 0 and owed * 1.5 * max(speeds) / low - least > size
 
@@ -66,12 +67,16 @@ def congested(
     """The candidates a later turn of `size` prompt bytes should leave for their backlog,
     counted per speed class (pace x weight to the fastest candidate's, rounded to a power
     of two, so one kind of GPU is one class whatever its learned paces). Candidate `j` is
-    left out when its backlog exceeds the least of any candidate by more than moving
-    costs: the whole prompt prefilled elsewhere (`size`, the turn's own wait there), plus
-    the work the move adds to that worker's queue for the requests behind it (`size -
-    uncached_of(j)`: what `j` would not have had to prefill). So a holder that has the
-    history is left only behind about two prompts' worth more prefill than elsewhere,
-    one that evicts it behind one. None when there are none."""
+    left out when its backlog exceeds what a typical candidate owes (the lower median) by
+    more than moving costs: the whole prompt prefilled elsewhere (`size`, the turn's own
+    wait there), plus the work the move adds to that worker's queue for the requests
+    behind it (`size - uncached_of(j)`: what `j` would not have had to prefill). So a
+    holder that has the history is left only behind about two prompts' worth more prefill
+    than elsewhere, one that evicts it behind one. The typical candidate, not the least:
+    the turn goes to its key's home among the rest (cache_aware.py), not to the one that
+    owes least, so the least overstates what a move saves; and when every worker is busy
+    prefilling, one of them owing nothing for a moment is not a reason to move a history
+    (each move a whole prompt's prefill more, and its cache copy). None when there are none."""
     top = max(speeds)
     owed = []
     for j, w in enumerate(candidates):
@@ -82,10 +87,13 @@ def congested(
             owed.append(w.backlog * 2.0**k)
         else:  # weight 0: never chosen but as a last resort; owes nothing comparable
             owed.append(math.inf)
-    least = min(owed)
-    if least == math.inf:
+    finite = sorted(x for x in owed if x != math.inf)
+    if not finite:
         return None
+    typical = finite[(len(finite) - 1) // 2]
     out = {
-        j for j, x in enumerate(owed) if x > least + size and x > least + 2 * size - uncached_of(j)
+        j
+        for j, x in enumerate(owed)
+        if x > typical + size and x > typical + 2 * size - uncached_of(j)
     }
     return out or None
