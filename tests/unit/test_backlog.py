@@ -30,6 +30,8 @@ LIMIT = 2 * SIZE - OWN
         ([5000, 5000, 5000, 5000], [1, 1, 1, 1], None),
         # Two candidates: the lower median is the least.
         ([0, LIMIT + 1], [1, 1], {1}),
+        # Four: the second least (the lower median), not the third.
+        ([0, 0, 1000, 1000 + LIMIT], [1, 1, 1, 1], {3}),
         # Three: the middle one.
         ([0, 3000, 3000 + LIMIT + 1], [1, 1, 1], {2}),
         ([0, 3000, 3000 + LIMIT], [1, 1, 1], None),
@@ -41,6 +43,7 @@ LIMIT = 2 * SIZE - OWN
         ([0, 0, 0, LIMIT + 1], [0, 1, 1, 1], {0, 3}),
         ([9e9, 0, 0, LIMIT + 1], [0, 1, 1, 1], {0, 3}),
         ([0, 0, 0, LIMIT], [0, 1, 1, 1], {0}),
+        ([0, 0, LIMIT + 1], [0, 1, 1], {0, 2}),  # (counted, it would be the median)
         ([0, 0], [0, 0], None),
     ],
 )

@@ -816,7 +816,8 @@ def backlogged(ws: list[Worker], owed: dict[int, int]) -> None:
 def test_a_later_turn_leaves_a_holder_only_behind_more_prefill_than_moving_costs():
     """Moving costs the turn its whole prompt's prefill elsewhere, and the requests behind
     it there the part the holder would not have prefilled: it leaves a holder only when
-    the holder owes more than that above the least any candidate owes."""
+    the holder owes more than that above what a typical candidate owes (the lower
+    median)."""
     ws = workers(4)
     backlogged(ws, {})
     p = policy()
@@ -829,15 +830,22 @@ def test_a_later_turn_leaves_a_holder_only_behind_more_prefill_than_moving_costs
     later = turn()
     assert p.select(ws, later) is home
     size, own = later.prefix_blocks().size, later.prefill  # type: ignore[union-attr]
-    limit = 2 * size - own  # owed past the least before it leaves
+    limit = 2 * size - own  # owed past the typical candidate before it leaves
     h = ws.index(home)
 
     for owed, stays in [(size, True), (limit, True), (limit + 1, False)]:
         backlogged(ws, {h: owed})
         assert (p.select(ws, turn()) is home) is stays, owed
-    # Measured from the least any candidate owes, not from nothing.
+    # Measured from what a typical candidate owes, not from nothing...
     backlogged(ws, {j: 3 * size for j in range(4)} | {h: 3 * size + limit})
     assert p.select(ws, turn()) is home
+    # ...nor from the least: on a fleet all busy prefilling, one worker owing nothing for
+    # a moment does not move the history (its key's home among the rest owes as the rest).
+    idle = (h + 1) % 4
+    backlogged(ws, {j: 3 * size for j in range(4)} | {idle: 0, h: 3 * size + limit})
+    assert p.select(ws, turn()) is home
+    backlogged(ws, {j: 3 * size for j in range(4)} | {idle: 0, h: 3 * size + limit + 1})
+    assert p.select(ws, turn()) is not home
     # A worker of another speed class (half as fast) drains at half the pace: its backlog
     # counts twice; a pace learned a little lower (the same class) changes nothing.
     backlogged(ws, {h: limit // 2 + 1})

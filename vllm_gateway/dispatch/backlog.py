@@ -73,10 +73,12 @@ def congested(
     behind it (`size - uncached_of(j)`: what `j` would not have had to prefill). So a
     holder that has the history is left only behind about two prompts' worth more prefill
     than elsewhere, one that evicts it behind one. The typical candidate, not the least:
-    the turn goes to its key's home among the rest (cache_aware.py), not to the one that
-    owes least, so the least overstates what a move saves; and when every worker is busy
-    prefilling, one of them owing nothing for a moment is not a reason to move a history
-    (each move a whole prompt's prefill more, and its cache copy). None when there are none."""
+    the turn goes to its key's home among the rest (cache_aware.py), which may owe up to
+    a prompt more than the least (past that, one without the history is left out too), so
+    from the least a move could save next to nothing while paying what this comparison
+    does not count (the history copied into one more cache, its old copy dead); when
+    every worker is busy prefilling, one owing nothing for a moment moved many histories
+    (docs/dispatch.md "The prefill backlog"). None when there are none."""
     top = max(speeds)
     owed = []
     for j, w in enumerate(candidates):
