@@ -158,6 +158,19 @@ def _turns(rng: random.Random, count: int, user: TokenDraw, answer: TokenDraw, t
     )  # fmt: skip
 
 
+def _started(
+    rng: random.Random,
+    count: int,
+    end: float,
+    make: Callable[[random.Random, int, float], Conversation],
+) -> list[Conversation]:
+    """`count` conversations starting at random over [0, end), in order of start; `make(rng,
+    i, start)` draws the i-th one's content, after all the start times (the order of draws
+    the families were measured with)."""
+    starts = sorted(rng.uniform(0.0, end) for _ in range(count))
+    return [make(rng, i, start) for i, start in enumerate(starts)]
+
+
 def _alike(
     sizes: Sizes, every: int, count: int, prefill_ms: float
 ) -> tuple[int, tuple[WorkerSpec, ...]]:
@@ -165,6 +178,14 @@ def _alike(
     token) whose prefix caches together hold --cache-share of `every` blocks."""
     blocks = math.ceil(sizes.cache_share * every / count)
     return blocks, (WorkerSpec(20, 20, 16, blocks, prefill_ms),) * count
+
+
+def _mixed(blocks: int, prefill_ms: float, fast: int, slow: int) -> tuple[WorkerSpec, ...]:
+    """`fast` workers as `_alike`'s and `slow` at half their speed (ttft and tpot 40 ms, 8
+    seqs, twice the prefill per token), each with `blocks` KV blocks."""
+    return (WorkerSpec(20, 20, 16, blocks, prefill_ms),) * fast + (
+        WorkerSpec(40, 40, 8, blocks, 2 * prefill_ms),
+    ) * slow
 
 
 def multiturn(sizes: Sizes) -> Family:
@@ -178,13 +199,12 @@ def multiturn(sizes: Sizes) -> Family:
     user, answer = spread(USER_WORDS), spread(ANSWER_TOKENS)
     end = sizes.warmup + sizes.duration
 
+    def one(rng: random.Random, i: int, start: float) -> Conversation:
+        turns = _turns(rng, TURNS, user, answer, THINK_MEAN, f"c{i}")
+        return Conversation(start, rng.choice(systems), f"conv{i}", turns)
+
     def build(rng: random.Random) -> list[Conversation]:
-        starts = sorted(rng.uniform(0.0, end) for _ in range(CONVERSATIONS))
-        out = []
-        for i, start in enumerate(starts):
-            turns = _turns(rng, TURNS, user, answer, THINK_MEAN, f"c{i}")
-            out.append(Conversation(start, rng.choice(systems), f"conv{i}", turns))
-        return out
+        return _started(rng, CONVERSATIONS, end, one)
 
     setup = (
         f"{CONVERSATIONS} conversations x {TURNS} turns starting over {end:g} s, "
@@ -250,19 +270,16 @@ def agent(sizes: Sizes) -> Family:
     every += len(systems) * math.ceil(AGENT_TOOL_WORDS / BLOCK_SIZE)
     fast, slow = 4, 2
     blocks = math.ceil(sizes.cache_share * every / (fast + slow))
-    workers = (WorkerSpec(20, 20, 16, blocks, AGENT_PREFILL_MS_PER_TOKEN),) * fast + (
-        WorkerSpec(40, 40, 8, blocks, 2 * AGENT_PREFILL_MS_PER_TOKEN),
-    ) * slow
+    workers = _mixed(blocks, AGENT_PREFILL_MS_PER_TOKEN, fast, slow)
     end = sizes.warmup + sizes.duration
 
+    def one(rng: random.Random, i: int, start: float) -> Conversation:
+        system = rng.choices(systems, popularity)[0]
+        steps = _turns(rng, turns(rng), tool, answer, AGENT_THINK, f"a{i}")
+        return Conversation(start, system, f"agent{i}", steps)
+
     def build(rng: random.Random) -> list[Conversation]:
-        starts = sorted(rng.uniform(0.0, end) for _ in range(AGENT_SESSIONS))
-        out = []
-        for i, start in enumerate(starts):
-            system = rng.choices(systems, popularity)[0]
-            steps = _turns(rng, turns(rng), tool, answer, AGENT_THINK, f"a{i}")
-            out.append(Conversation(start, system, f"agent{i}", steps))
-        return out
+        return _started(rng, AGENT_SESSIONS, end, one)
 
     setup = (
         f"{AGENT_SESSIONS} sessions of 2-16 turns (mean {mean_turns:.1f}) starting over "
@@ -295,14 +312,13 @@ def docchat(sizes: Sizes) -> Family:
     user, answer = spread(CHAT_USER_WORDS), spread(CHAT_ANSWER_TOKENS)
     end = sizes.warmup + sizes.duration
 
+    def one(rng: random.Random, i: int, start: float) -> Conversation:
+        doc = rng.choices(docs, weights)[0]
+        turns = _turns(rng, CHAT_TURNS, user, answer, CHAT_THINK, f"c{i}", doc + "\n\nQ: ")
+        return Conversation(start, "You are a helpful assistant.", f"doc{i}", turns)
+
     def build(rng: random.Random) -> list[Conversation]:
-        starts = sorted(rng.uniform(0.0, end) for _ in range(CHAT_CONVERSATIONS))
-        out = []
-        for i, start in enumerate(starts):
-            doc = rng.choices(docs, weights)[0]
-            turns = _turns(rng, CHAT_TURNS, user, answer, CHAT_THINK, f"c{i}", doc + "\n\nQ: ")
-            out.append(Conversation(start, "You are a helpful assistant.", f"doc{i}", turns))
-        return out
+        return _started(rng, CHAT_CONVERSATIONS, end, one)
 
     setup = (
         f"{CHAT_CONVERSATIONS} conversations x {CHAT_TURNS} turns starting over {end:g} s, "
@@ -329,19 +345,16 @@ def longchat(sizes: Sizes) -> Family:
     every = LONG_CONVERSATIONS * math.ceil(history / BLOCK_SIZE)
     fast, slow = 4, 2
     blocks = math.ceil(sizes.cache_share * every / (fast + slow))
-    workers = (WorkerSpec(20, 20, 16, blocks, LONG_PREFILL_MS_PER_TOKEN),) * fast + (
-        WorkerSpec(40, 40, 8, blocks, 2 * LONG_PREFILL_MS_PER_TOKEN),
-    ) * slow
+    workers = _mixed(blocks, LONG_PREFILL_MS_PER_TOKEN, fast, slow)
     user, answer = spread(LONG_USER_WORDS), spread(LONG_ANSWER_TOKENS)
     end = sizes.warmup + sizes.duration
 
+    def one(rng: random.Random, i: int, start: float) -> Conversation:
+        turns = _turns(rng, rng.randint(low, high), user, answer, LONG_THINK, f"L{i}")
+        return Conversation(start, "You are a helpful assistant.", f"long{i}", turns)
+
     def build(rng: random.Random) -> list[Conversation]:
-        starts = sorted(rng.uniform(0.0, end) for _ in range(LONG_CONVERSATIONS))
-        out = []
-        for i, start in enumerate(starts):
-            turns = _turns(rng, rng.randint(low, high), user, answer, LONG_THINK, f"L{i}")
-            out.append(Conversation(start, "You are a helpful assistant.", f"long{i}", turns))
-        return out
+        return _started(rng, LONG_CONVERSATIONS, end, one)
 
     setup = (
         f"{LONG_CONVERSATIONS} conversations of {low}-{high} turns starting over {end:g} s "
