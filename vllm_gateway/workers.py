@@ -115,6 +115,8 @@ class Worker:
         "others",
         "pace",
         "pinned_models",
+        "prefill_bytes",
+        "prefill_seconds",
         "sent_since_scrape",
         "source",
         "state",
@@ -178,6 +180,10 @@ class Worker:
         # Learned by dispatch from completed requests: 1 / typical request duration, in
         # requests per second per running request. 0 until the first completion.
         self.pace = 0.0
+        # Learned from streamed answers' first bytes: the time to it and the prefill bytes
+        # it waited for, each smoothed (dispatch/prefill_rate.py); 0 until the first.
+        self.prefill_seconds = 0.0
+        self.prefill_bytes = 0.0
         # Requests it runs at once as dispatch knows it (configured, learned from its
         # queue, or the probing limit; dispatch/buckets.py); 0 while unknown.
         self.capacity = 0.0

@@ -10,6 +10,7 @@ import pytest
 from tests.conftest import wait_until
 from vllm_gateway.app import DISPATCHER, GATEWAY
 from vllm_gateway.config.gateway import DispatchConfig, ModelConfig, ScrapeConfig, WorkerSpec
+from vllm_gateway.dispatch.prefill_rate import seconds_per_byte
 
 pytestmark = pytest.mark.timeout(40)
 
@@ -283,6 +284,9 @@ async def test_a_streamed_request_owes_its_worker_prefill_until_its_first_byte(
         seen.append(w.backlog)
     assert seen[0] >= 2000  # the whole prompt's JSON, none of it cached yet
     assert seen[1:] and all(b == 0 for b in seen[1:])
+    # Its first byte taught the worker's prefill rate (prefill_rate.py): ~0.8 s over the
+    # bytes it waited for, 0.1-1 ms per byte (the JSON is ~5 bytes per token at 2 ms each).
+    assert 1e-4 < seconds_per_byte(w) < 1e-3
     await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
     assert w.backlog == 0 and w.inflight == 0
     await client.close()

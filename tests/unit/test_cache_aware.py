@@ -503,6 +503,36 @@ def test_preferred_names_only_gated_workers_the_request_loses_something_by_missi
     assert p.preferred(gated, [w for w in ws if w is not home], unknown) == [home]
 
 
+def test_preferred_tells_the_bytes_a_later_turn_would_prefill_again_elsewhere():
+    """`RequestInfo.saved` (patience.py reads it): what the gated holders hold of the
+    turn's own history and the best candidate does not; a candidate holding the preamble
+    holds that part too. 0 for a first turn, and where the gated hold no history."""
+    ws = workers(3)
+    p = policy()
+    long_system = "system prompt P " * 70
+    first = chat("q " * 300, system=long_system)
+    a = p.select(ws, info(first))
+    others = [w for w in ws if w is not a]
+    doc = chat("q " * 300, long("a"), "q2 " * 300, system=long_system)
+    blocks = prefix_blocks(doc)
+    assert blocks is not None
+    _, depth = p.index.deepest(blocks.blocks, [a])
+    held = blocks.held_bytes(depth)
+    nxt = info(doc)
+    assert p.preferred([a], others, nxt) == [a]
+    assert nxt.saved == held > blocks.preamble_end > 0  # none of it on the others
+    c = others[0]
+    p.select([c], info(chat("another conversation", system=long_system)))  # c: the preamble
+    assert p.preferred([a], [c], nxt) == [a]
+    assert nxt.saved == held - blocks.preamble_end
+    fresh = info(chat("a new question", system=long_system))
+    assert p.preferred([a], [others[1]], fresh) == [a] and fresh.saved == 0
+    unknown = info(no_system("unseen", "answer", "more"))
+    home = policy().select(ws, info(no_system("unseen")))
+    assert p.preferred([home], [w for w in ws if w is not home], unknown) == [home]
+    assert unknown.saved == 0  # its key's home, guessed: no history known there
+
+
 def test_a_worker_of_weight_0_is_planned_nothing_and_all_of_weight_0_still_answer():
     ws = workers(4)
     ws[3].weight = 0.0

@@ -440,15 +440,87 @@ async def test_without_a_known_pace_a_request_does_not_wait_for_its_holder():
     await holding
 
 
-async def test_a_request_does_not_wait_for_a_holder_whose_kv_cache_never_bound():
-    """Waiting for the holder is for a fleet whose KV cache binds: elsewhere a copy of the
-    history costs its prefill only, and the later turn goes to the worker with room."""
+async def test_without_a_learned_prefill_rate_a_turn_does_not_wait_for_a_holder_that_never_bound():
+    """Where the KV cache never bound, a later turn waits only when its holder's next slot
+    is expected sooner than its history's prefill elsewhere; before any prefill rate is
+    learned (no streamed first byte yet), it goes to the worker with room at once."""
     registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
     release = asyncio.Event()
     home, other, holding = await _holder_full(d, registry, ws, release)
     home.pace, home.kv_binds = 0.2, False
     async with d.lease(chat_info("the first question", "an answer", "next")) as lease:
         assert lease.worker is other and lease.waited == 0.0
+    release.set()
+    await holding
+
+
+def _prefills(worker, seconds_per_byte: float) -> None:
+    """`worker` was learned to prefill at this rate (prefill_rate.py)."""
+    worker.prefill_seconds, worker.prefill_bytes = seconds_per_byte * 1000, 1000.0
+
+
+async def test_a_later_turn_waits_for_a_slot_on_its_holder_sooner_than_its_prefill_elsewhere():
+    """KV cache not binding: the holder (pace 0.2, one request running) frees a slot in
+    about 5 s, and the history would take far longer to prefill on the worker with room
+    (1 s per byte learned there): the later turn waits, and takes the holder's slot."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace, home.kv_binds = 0.2, False
+    _prefills(other, 1.0)
+    got: list = []
+
+    async def turn():
+        async with d.lease(chat_info(*LATER)) as lease:
+            got.append((lease.worker, lease.waited))
+
+    waiting = asyncio.create_task(turn())
+    await asyncio.sleep(0.02)
+    assert not got and d.admission.depth == 1  # it waits, the other worker has room
+    async with d.lease(info(7)) as lease:
+        assert lease.worker is other  # past the patient one, to the worker with room
+    release.set()  # the holder's slot frees: the later turn takes it
+    await holding
+    await asyncio.wait_for(waiting, 1.0)
+    assert got[0][0] is home and got[0][1] > 0.0
+
+
+async def test_a_later_turn_goes_elsewhere_when_its_prefill_there_is_sooner_than_a_slot():
+    """The same, but the holder frees a slot only every 50 s (pace 0.02) while the worker
+    with room prefills fast (1 us per byte): it goes there at once."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace, home.kv_binds = 0.02, False
+    _prefills(other, 1e-6)
+    async with d.lease(chat_info(*LATER)) as lease:
+        assert lease.worker is other and lease.waited == 0.0
+    release.set()
+    await holding
+
+
+async def test_a_turn_waits_for_a_slot_no_longer_than_its_prefill_elsewhere_takes():
+    """Patience is the prefill elsewhere (here the history's bytes at 2 ms each, over
+    0.1 s), at most twice the slot's expected time (pace 20, one running: 50 ms): past
+    it, the next event sends the later turn to the worker with room."""
+    registry, ws, d = fleet("cache_aware", (WorkerState.READY, WorkerState.READY))
+    release = asyncio.Event()
+    home, other, holding = await _holder_full(d, registry, ws, release)
+    home.pace, home.kv_binds = 20.0, False
+    _prefills(other, 2e-3)
+    later = chat_info(*LATER)
+    t = asyncio.create_task(d.lease(later).__aenter__())
+    await asyncio.sleep(0.005)
+    assert not t.done() and d.admission.depth == 1
+    assert later.saved * 2e-3 > 0.1  # the prefill elsewhere: longer than twice the slot
+    for _ in range(20):  # scrapes keep coming; the holder stays full
+        await asyncio.sleep(0.02)
+        room(registry, other)
+        if t.done():
+            break
+    lease = await asyncio.wait_for(t, 1.0)
+    assert lease.worker is other and 0.1 <= lease.waited < 0.5
+    d._release(lease)
     release.set()
     await holding
 

@@ -256,13 +256,18 @@ class Dispatcher:
                 if not candidates:
                     return None
                 may_wait = waiter is not None or self.admission.has_room(info.model)
-                if may_wait and patient(policy, liked, candidates, waiter, self.admission.max_wait):
-                    return None  # it waits for them (patience.py)
                 # What the policy would rather have, held back only by a guessed limit:
                 # this request is the probe (buckets.py `stretch`), not sent elsewhere to
                 # prefill again what the worker holds (its conversation's history).
-                if liked and stretches_of(policy, info):
-                    can = self.buckets.can_stretch
+                can = self.buckets.can_stretch if liked and stretches_of(policy, info) else None
+                queue = self.admission.queues.get(info.model)
+                aside = queue.patient if queue is not None else ()
+                wait = self.admission.max_wait
+                if may_wait and patient(
+                    policy, liked, candidates, waiter, wait, info, can, aside
+                ):
+                    return None  # it waits for them (patience.py)
+                if can is not None:
                     more = [w for w in liked if can(w)]
                     if more:
                         candidates = [w for w in available if w in more or has_token(w)]
@@ -286,7 +291,7 @@ class Dispatcher:
         # Only a streamed answer's first byte tells when its prefill ended (a whole
         # answer comes after its decode too): only those count in the backlog.
         if info.stream and info.prefill:
-            lease.pending = info.prefill
+            lease.pending, lease.ahead = info.prefill, worker.backlog
             worker.backlog += info.prefill
         return lease
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from vllm_gateway.dispatch.prefill_rate import note
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.errors import NoWorkerAvailable, WorkerRefused, WorkerUnreachable
 from vllm_gateway.workers import Worker
@@ -26,6 +27,7 @@ class Lease:
 
     __slots__ = (
         "_dispatcher",
+        "ahead",
         "attempt",
         "bytes",
         "can_retry",
@@ -64,8 +66,20 @@ class Lease:
         self.bytes = 0
         self.waited = 0.0  # seconds spent in the admission queue before this lease
         self.full = full  # sent to a worker already full (Buckets.take says when)
-        # Its part of the worker's prefill backlog (Worker.backlog) until its first byte.
+        # Its part of the worker's prefill backlog (Worker.backlog) until its first byte,
+        # and the backlog that was ahead of it when it was sent.
         self.pending = 0
+        self.ahead = 0
+
+    def first_body(self, status: int, at: float) -> None:
+        """The answer's first body byte came at `at` (time.monotonic()): its prefill is
+        over. A successful answer's time to it, over the prefill it waited for, teaches
+        the worker's prefill rate (prefill_rate.py); an error's body says nothing of it."""
+        pending = self.pending
+        if pending:
+            if 200 <= status < 300:
+                note(self.worker, at - self.started, pending + self.ahead)
+            self.prefilled()
 
     def prefilled(self) -> None:
         """Its first byte came (or it ended): the worker owes it no more prefill."""

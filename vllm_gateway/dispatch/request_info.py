@@ -36,6 +36,7 @@ class RequestInfo:
         "path",
         "prefill",
         "request_id",
+        "saved",
         "stream",
         "stretched",
     )
@@ -65,6 +66,10 @@ class RequestInfo:
         # the probe the policy asked for (buckets.py `can_stretch`; the limit is raised,
         # `stretch`, only for the one chosen): a batch slot it may take.
         self.stretched: Sequence[Worker] = ()
+        # Prompt bytes the full workers the policy would rather have (its `preferred`)
+        # hold and no worker with room does: what it would prefill again elsewhere (set
+        # by cache_aware for a later turn's history; 0: none, or unknown).
+        self.saved = 0
 
     @property
     def session_key(self) -> str | None:

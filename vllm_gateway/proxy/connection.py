@@ -121,8 +121,9 @@ class UpstreamConnection(asyncio.Protocol):
         self.tail = b""  # the last body bytes relayed (to end an event stream cleanly)
         self.body_bytes = 0  # body bytes received so far (telemetry, access log)
         self.first_body_at = 0.0  # time.monotonic() of the first body byte; 0.0: none yet
-        # Called once at the first body byte (dispatch's prefill backlog; None: nobody).
-        self.on_first_body: Callable[[], None] | None = None
+        # Called once at the first body byte, with the answer's status and the time
+        # (dispatch's prefill backlog and rate; None: nobody).
+        self.on_first_body: Callable[[int, float], None] | None = None
         self.sink: BodySink | None = None
         self.paused = False  # reading paused until the client drains
         self._held = False  # reading paused until the response is committed
@@ -200,7 +201,7 @@ class UpstreamConnection(asyncio.Protocol):
         if not self.body_bytes:
             self.first_body_at = time.monotonic()
             if self.on_first_body is not None:
-                self.on_first_body()
+                self.on_first_body(self.status, self.first_body_at)
                 self.on_first_body = None
         self.body_bytes += len(body)
         self.out.append(body)

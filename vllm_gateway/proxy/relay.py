@@ -204,7 +204,7 @@ class Relay:
                 info.body,
             )
             if lease.pending:  # (send reset the connection's exchange state)
-                conn.on_first_body = lease.prefilled
+                conn.on_first_body = lease.first_body
             limit = _within(t.first_byte, t.total, lease.started)
             await conn.wait_head(limit)
         except BaseException:

@@ -12,7 +12,9 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    (`HISTORY_SLACK`); past it on all of them, for a later turn, the least loaded holder
    with a batch slot free by the gate's measure (it prefills only what it adds there,
    its whole history anywhere else). Only when no holder has room, or none has a known
-   capacity, is the history prefilled again elsewhere. But a stray (its history on none
+   capacity, is the history prefilled again elsewhere (but the turn first waits in the
+   gateway for a full holder's next slot when that comes sooner: patience.py, reading
+   `preferred` and the bytes it sets in `RequestInfo.saved`). But a stray (its history on none
    of its preamble's planned workers, and shorter than the preamble) goes back to one
    within its fair share (`_back_home`).
 2. **Otherwise** (a new conversation, or its history is not known here): the first
@@ -156,12 +158,37 @@ class CacheAware:
         had than any candidate, as it goes elsewhere and prefills again what they hold
         (cache_wait.py). Their capacity is worth probing; the others' is not (base.py)."""
         blocks = info.prefix_blocks()
+        info.saved = 0
         if blocks is None:
             return []
         shares = self._shares.get(info.model)
         preamble = self._shared(blocks, shares.counts if shares is not None else {})
         plan = shares.plan if shares is not None else None
-        return wanted_holders(self.index, plan, self._ranks, blocks, preamble, gated, candidates)
+        liked = wanted_holders(self.index, plan, self._ranks, blocks, preamble, gated, candidates)
+        if liked and blocks.continued:
+            info.saved = self._saved(blocks, preamble, liked, candidates)
+        return liked
+
+    def _saved(
+        self,
+        blocks: PrefixBlocks,
+        preamble: int,
+        liked: Sequence[Worker],
+        candidates: Sequence[Worker],
+    ) -> int:
+        """Bytes of a later turn's prompt that `liked` hold as its own history and no
+        candidate does (the best candidate holds its deepest part the index knows, or its
+        preamble): what it would prefill again elsewhere (patience.py). 0 when `liked`
+        do not hold its history (a preamble's holders, its key's home)."""
+        index = self.index
+        _, depth = index.deepest(blocks.blocks, liked)
+        if depth <= blocks.first:
+            return 0
+        _, there = index.deepest(blocks.blocks, candidates)
+        held = blocks.held_bytes(there)
+        if preamble and any(index.holds(preamble, w) for w in candidates):
+            held = max(held, blocks.shared_end(preamble))
+        return max(0, blocks.held_bytes(depth) - held)
 
     def stretches(self, info: RequestInfo) -> bool:
         """Whether a worker `preferred` names, held back only by its probing limit, should

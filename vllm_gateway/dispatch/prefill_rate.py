@@ -1,0 +1,44 @@
+"""How long a worker takes per byte of prefill it owes, learned from streamed first bytes.
+
+    note(worker, elapsed, work)   a streamed request's first byte came `elapsed` seconds
+                                  after it was sent, behind `work` bytes of prefill (its own
+                                  uncached part and the worker's backlog ahead of it)
+    seconds_per_byte(worker)      their ratio, each smoothed; 0.0 while unknown
+
+vLLM sends a streamed answer's first byte with its first token, once the prompt's uncached
+part and what was queued ahead of it on the worker's prefill are done: so the time to it
+over those bytes (Worker.backlog, as the policy guessed them: dispatch/backlog.py) is what
+the worker spends per byte it must prefill, base latency included (high for small
+prompts, so a move's cost is counted high, never low). A ratio of smoothed sums, not a
+mean of ratios: a long prefill weighs more than a short one, whose time is mostly the
+worker's fixed latency. What reads it: patience.py (is a full holder's next free slot
+sooner than prefilling the history elsewhere).
+"""
+
+from __future__ import annotations
+
+import math
+
+from vllm_gateway.workers import Worker
+
+# Weight of each first byte in the smoothed sums: the last few dozen requests, so the
+# figure follows a worker whose load changes within seconds and one odd request moves it
+# only a little.
+WEIGHT = 0.05
+
+
+def note(worker: Worker, elapsed: float, work: int) -> None:
+    """Fold one streamed request's time to first byte and the prefill bytes it waited
+    for into `worker`'s figures (nonsense is ignored: a clock step, no work)."""
+    if not (0.0 <= elapsed < math.inf and 0 < work < math.inf):
+        return
+    # Both sums start from 0, so the ratio weighs the first few requests about alike
+    # (one odd first request does not stand for the worker until a few dozen more).
+    worker.prefill_seconds += WEIGHT * (elapsed - worker.prefill_seconds)
+    worker.prefill_bytes += WEIGHT * (work - worker.prefill_bytes)
+
+
+def seconds_per_byte(worker: Worker) -> float:
+    """Seconds `worker` spends per byte of prefill it owes; 0.0 while unknown."""
+    work = worker.prefill_bytes
+    return worker.prefill_seconds / work if work > 0.0 else 0.0
