@@ -263,9 +263,7 @@ class Dispatcher:
                 queue = self.admission.queues.get(info.model)
                 aside = queue.patient if queue is not None else ()
                 wait = self.admission.max_wait
-                if may_wait and patient(
-                    policy, liked, candidates, waiter, wait, info, can, aside
-                ):
+                if may_wait and patient(policy, liked, candidates, waiter, wait, info, can, aside):
                     return None  # it waits for them (patience.py)
                 if can is not None:
                     more = [w for w in liked if can(w)]
