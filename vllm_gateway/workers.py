@@ -145,14 +145,13 @@ class Worker:
         self.state = WorkerState.JOINING
         self.state_reason = "added"
         self.inflight = 0  # requests the gateway has sent and not yet seen finish
-        # Prefill it owes this process's requests: the prompt bytes it probably does not
-        # cache (the policy's guess), of streamed requests sent and not yet answered with a
-        # first byte (dispatch/lease.py Lease.prefilled).
+        # Prefill it owes this process's streamed requests not yet answered with a first
+        # byte: the prompt bytes it probably does not cache (dispatch/lease.py).
         self.backlog = 0
         # The share of the prompt tokens it was sent lately that it did not find cached,
         # from its own counters (`note_cache`); 0 while unknown.
         self.miss = 0.0
-        # The same, by the model each lease asked for (a worker may serve several, and a
+        # In flight by the model each lease asked for (a worker may serve several, and a
         # request for one is not demand for the others); no zero entries.
         self.inflight_by_model: dict[str, int] = {}
         # Requests it runs at once, as the operator declared it (its vLLM --max-num-seqs);
@@ -169,21 +168,18 @@ class Worker:
         self.kv_binds = False
         self.kv_free = math.inf
         self.token_bytes = 0.0  # request bytes per prompt token, measured (kv_queue.py); 0: not yet
-        # Requests other senders had on it at its last scrape (other replicas of the
-        # gateway, sibling processes, clients that go around the gateway): what it reported
-        # running and waiting beyond the most of this process's requests it may have
-        # counted. With one gateway process alone, 0, but for requests the worker counts
-        # more than once (vLLM runs `n` > 1 or a list of prompts as several) or has not
-        # yet seen end (an abort). Counted low while a scrape is out: a request sent then
-        # counts as this process's whether the page saw it or not. 0 without a fresh scrape.
+        # Requests other senders (other replicas, sibling processes, direct clients) had on
+        # it at its last scrape: what it reported running and waiting beyond the most of
+        # this process's requests it may have counted. With one gateway process alone, 0,
+        # but for requests the worker counts more than once (vLLM runs `n` > 1 or a list of
+        # prompts as several) or has not yet seen end (an abort). Counted low while a scrape
+        # is out (a request sent then counts as this process's). 0 without a fresh scrape.
         self.others = 0.0
         # Learned by dispatch from completed requests: 1 / typical request duration, in
         # requests per second per running request. 0 until the first completion.
         self.pace = 0.0
-        # Learned from streamed answers' first bytes: the time to it and the prefill bytes
-        # it waited for, each smoothed (dispatch/prefill_rate.py); 0 until the first.
-        self.prefill_seconds = 0.0
-        self.prefill_bytes = 0.0
+        # Time to streamed first bytes and the prefill bytes awaited (prefill_rate.py).
+        self.prefill_seconds = self.prefill_bytes = 0.0
         # Requests it runs at once as dispatch knows it (configured, learned from its
         # queue, or the probing limit; dispatch/buckets.py); 0 while unknown.
         self.capacity = 0.0

@@ -169,3 +169,8 @@ def test_list_workers_shows_the_kv_figures_as_json():
     w.kv_binds, w.kv_free, w.token_bytes = True, 1234.0, 9.876
     shown = orjson.loads(orjson.dumps(describe_worker(w, 0.0)))
     assert (shown["kv_binds"], shown["kv_free"], shown["token_bytes"]) == (True, 1234.0, 9.88)
+    # The learned prefill time per KiB owed (prefill_rate.py): null until a first byte.
+    assert plain["prefill_ms_per_kib"] is None
+    w.prefill_seconds, w.prefill_bytes = 0.05, 1024.0
+    shown = orjson.loads(orjson.dumps(describe_worker(w, 0.0)))
+    assert shown["prefill_ms_per_kib"] == 50.0

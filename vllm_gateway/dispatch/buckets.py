@@ -71,7 +71,6 @@ from collections.abc import Iterable
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.kv_queue import KvEvidence
 from vllm_gateway.dispatch.load import held
-from vllm_gateway.dispatch.prefill_rate import seconds_per_byte
 from vllm_gateway.dispatch.still_queue import StillQueue
 from vllm_gateway.workers import Worker
 
@@ -435,8 +434,6 @@ class Buckets:
             # and the share of prompt tokens its own counters say it missed lately.
             "prefill_backlog": worker.backlog,
             "cache_miss": round(worker.miss, 3),
-            # Milliseconds per KiB of prefill owed, learned from first bytes (0: not yet).
-            "prefill_ms_per_kib": round(seconds_per_byte(worker) * 1024e3, 3),
             # What other senders (replicas, sibling processes, direct clients) had on it at
             # its last scrape: the capacity gate counts them.
             "others": round(worker.others, 1),

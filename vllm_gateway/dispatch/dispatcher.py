@@ -255,15 +255,12 @@ class Dispatcher:
                 self.buckets.note_demand(liked, not candidates)
                 if not candidates:
                     return None
-                may_wait = waiter is not None or self.admission.has_room(info.model)
-                # What the policy would rather have, held back only by a guessed limit:
-                # this request is the probe (buckets.py `stretch`), not sent elsewhere to
-                # prefill again what the worker holds (its conversation's history).
+                admission = self.admission
+                may_wait = waiter is not None or admission.has_room(info.model)
+                # What the policy would rather have, held back only by a guessed limit: this
+                # request is its probe (buckets.py `stretch`), not prefilled again elsewhere.
                 can = self.buckets.can_stretch if liked and stretches_of(policy, info) else None
-                queue = self.admission.queues.get(info.model)
-                aside = queue.patient if queue is not None else ()
-                wait = self.admission.max_wait
-                if may_wait and patient(policy, liked, candidates, waiter, wait, info, can, aside):
+                if may_wait and patient(policy, liked, candidates, waiter, info, can, admission):
                     return None  # it waits for them (patience.py)
                 if can is not None:
                     more = [w for w in liked if can(w)]

@@ -27,7 +27,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from vllm_gateway.dispatch.admission import Waiter
+from vllm_gateway.dispatch.admission import Admission, Waiter
 from vllm_gateway.dispatch.kv_queue import has_kv_room
 from vllm_gateway.dispatch.policies import Policy, waits_for_preferred
 from vllm_gateway.dispatch.prefill_rate import seconds_per_byte
@@ -40,28 +40,29 @@ def patient(
     liked: list[Worker],
     candidates: list[Worker],
     waiter: Waiter | None,
-    max_wait: float,
     info: RequestInfo,
-    stretchable: Callable[[Worker], bool] | None = None,
-    set_aside: Sequence[Waiter] = (),
+    stretchable: Callable[[Worker], bool] | None,
+    admission: Admission,
 ) -> bool:
     """Whether the request `info` waits for `liked` (full) rather than go to one of the
     `candidates` (with room) now. A request not queued yet (`waiter` None) joins the
     queue when it may wait at all, and decides there. A waiter's patience runs from when it
     was queued; past it, a request for a binding holder still waits while no candidate has
-    free KV blocks for its prompt, until half the queue's bound (`max_wait`; 0: none, then
-    twice its patience). `stretchable`: the liked workers the gate would let this request
-    past their probing limit (it goes there as the probe instead of waiting); `set_aside`:
-    the waiters of its model already waiting for workers they want (admission.py). Sets
-    the waiter's `wants` (what it waits for)."""
+    free KV blocks for its prompt, until half the queue's bound (`admission.max_wait`; 0:
+    none, then twice its patience). `stretchable`: the liked workers the gate would let
+    this request past their probing limit (it goes there as the probe instead of
+    waiting). Sets the waiter's `wants` (what it waits for)."""
     if not liked or not waits_for_preferred(policy):
         return False
+    max_wait = admission.max_wait
     binding = [w for w in liked if w.kv_binds and w.pace > 0]
     if binding:
         patience = max(1.0 / w.pace for w in binding)
         bound = max_wait / 2 if max_wait > 0 else 2 * patience
     else:
-        before = [x for x in set_aside if waiter is None or x.key < waiter.key]
+        queue = admission.queues.get(info.model)  # those set aside already go first
+        aside = queue.patient if queue is not None else ()
+        before = [x for x in aside if waiter is None or x.key < waiter.key]
         patience = slot_patience(liked, candidates, info.saved, stretchable, before)
         if patience <= 0.0:
             return False

@@ -32,6 +32,7 @@ from aiohttp.typedefs import Handler, Middleware
 from vllm_gateway.config.gateway import CorsConfig
 from vllm_gateway.dispatch.aliases import AliasTable
 from vllm_gateway.dispatch.dispatcher import Dispatcher, outcome_of
+from vllm_gateway.dispatch.prefill_rate import seconds_per_byte
 from vllm_gateway.dispatch.request_info import parse_request
 from vllm_gateway.errors import (
     BadRequest,
@@ -401,10 +402,12 @@ def describe_worker(w: Worker, now: float) -> dict[str, object]:
         "kv_cache_usage": stats.kv_cache_usage if stats else None,
         # Whether its KV cache was seen to bind, the tokens its free blocks held at the
         # last scrape (null: not counted), and the request bytes per prompt token measured
-        # for it (null: not yet): dispatch/kv_queue.py.
+        # for it (null: not yet): dispatch/kv_queue.py. Its time to a streamed first byte
+        # per KiB of prefill owed (null: not yet): dispatch/prefill_rate.py.
         "kv_binds": w.kv_binds,
         "kv_free": w.kv_free if math.isfinite(w.kv_free) else None,
         "token_bytes": round(w.token_bytes, 2) if w.token_bytes else None,
+        "prefill_ms_per_kib": round(seconds_per_byte(w) * 1024e3, 3) or None,
         "stats_age_seconds": round(now - stats.at, 3) if stats else None,
         "completed": w.completed,
         "failed": w.failed,

@@ -66,7 +66,7 @@ from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.backlog import congested as congested_of
 from vllm_gateway.dispatch.backlog import uncached, worth_checking
 from vllm_gateway.dispatch.kv_queue import BYTES_PER_TOKEN, has_kv_room
-from vllm_gateway.dispatch.policies.cache_wait import wanted_holders
+from vllm_gateway.dispatch.policies.cache_wait import history_saved, wanted_holders
 from vllm_gateway.dispatch.policies.load_view import LoadView
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
 from vllm_gateway.dispatch.policies.rendezvous import Ranks, rendezvous_rank
@@ -166,29 +166,8 @@ class CacheAware:
         plan = shares.plan if shares is not None else None
         liked = wanted_holders(self.index, plan, self._ranks, blocks, preamble, gated, candidates)
         if liked and blocks.continued:
-            info.saved = self._saved(blocks, preamble, liked, candidates)
+            info.saved = history_saved(self.index, blocks, preamble, liked, candidates)
         return liked
-
-    def _saved(
-        self,
-        blocks: PrefixBlocks,
-        preamble: int,
-        liked: Sequence[Worker],
-        candidates: Sequence[Worker],
-    ) -> int:
-        """Bytes of a later turn's prompt that `liked` hold as its own history and no
-        candidate does (the best candidate holds its deepest part the index knows, or its
-        preamble): what it would prefill again elsewhere (patience.py). 0 when `liked`
-        do not hold its history (a preamble's holders, its key's home)."""
-        index = self.index
-        _, depth = index.deepest(blocks.blocks, liked)
-        if depth <= blocks.first:
-            return 0
-        _, there = index.deepest(blocks.blocks, candidates)
-        held = blocks.held_bytes(there)
-        if preamble and any(index.holds(preamble, w) for w in candidates):
-            held = max(held, blocks.shared_end(preamble))
-        return max(0, blocks.held_bytes(depth) - held)
 
     def stretches(self, info: RequestInfo) -> bool:
         """Whether a worker `preferred` names, held back only by its probing limit, should

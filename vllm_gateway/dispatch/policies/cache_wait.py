@@ -2,6 +2,7 @@
 `preferred`): those that hold what it would prefill again anywhere else.
 
     wanted_holders(index, plan, ranks, blocks, preamble, gated, candidates) -> list[Worker]
+    history_saved(index, blocks, preamble, liked, candidates) -> bytes
 
 In order: the holders of a deeper part of its history (a later turn); else, for a later
 turn whose history no worker is known here to hold (another replica placed its earlier
@@ -12,6 +13,8 @@ there, where another holder of the preamble (a worker its overflow went to) has 
 preamble, and each turn sent there keeps one more copy of it cached; else the preamble's
 holders (indexed or planned) if no candidate holds it; else, for a later turn with no
 preamble, its key's home. Their capacity is worth probing; the others' is not (base.py).
+And for a later turn, how many bytes of its history those hold that no candidate does:
+what it would prefill again elsewhere (patience.py weighs it against a slot's wait).
 Pure: reads the index and the plan, changes nothing.
 """
 
@@ -69,3 +72,24 @@ def _home_of(
     """[the first worker in the key's rendezvous order] if the gate left it out, else []."""
     home = min((*gated, *candidates), key=lambda w: ranks.rank(key, w))
     return [home] if home in gated else []  # (Worker equality is identity)
+
+
+def history_saved(
+    index: PrefixIndex,
+    blocks: PrefixBlocks,
+    preamble: int,
+    liked: Sequence[Worker],
+    candidates: Sequence[Worker],
+) -> int:
+    """Bytes of a later turn's prompt that `liked` hold as its own history and no
+    candidate does (the best candidate holds its deepest part the index knows, or its
+    preamble): what it would prefill again elsewhere. 0 when `liked` do not hold its
+    history (a preamble's holders, its key's home)."""
+    _, depth = index.deepest(blocks.blocks, liked)
+    if depth <= blocks.first:
+        return 0
+    _, there = index.deepest(blocks.blocks, candidates)
+    held = blocks.held_bytes(there)
+    if preamble and any(index.holds(preamble, w) for w in candidates):
+        held = max(held, blocks.shared_end(preamble))
+    return max(0, blocks.held_bytes(depth) - held)
