@@ -372,6 +372,17 @@ async def _holder_full(d, registry, ws, release):
     return home, other, holding
 
 
+def _later_turn(d, got: list, later=None) -> asyncio.Task:
+    """A later turn of the conversation `_holder_full` placed, leasing in a task: its
+    worker and the seconds it waited go to `got`."""
+
+    async def turn():
+        async with d.lease(later or chat_info(*LATER)) as lease:
+            got.append((lease.worker, lease.waited))
+
+    return asyncio.create_task(turn())
+
+
 async def test_a_later_turn_waits_for_its_full_holder_and_others_go_past_it():
     """A later turn whose history's holder is full waits in the gateway for it, within its
     patience (one request's time there, 1 / pace), rather than prefill its history
@@ -383,12 +394,7 @@ async def test_a_later_turn_waits_for_its_full_holder_and_others_go_past_it():
     home.pace = 0.2  # a request takes 5 s there: patience enough for this test
     later = chat_info("the first question", "an answer", "next")
     got: list = []
-
-    async def turn():
-        async with d.lease(later) as lease:
-            got.append((lease.worker, lease.waited))
-
-    waiting = asyncio.create_task(turn())
+    waiting = _later_turn(d, got, later)
     await asyncio.sleep(0.02)
     assert not got and d.admission.depth == 1  # it waits (the other worker has room)
     async with d.lease(info(7)) as lease:
@@ -409,12 +415,7 @@ async def test_a_patient_request_goes_elsewhere_once_its_patience_is_over():
     home, other, holding = await _holder_full(d, registry, ws, release)
     home.pace = 20.0  # 50 ms
     got: list = []
-
-    async def turn():
-        async with d.lease(chat_info("the first question", "an answer", "next")) as lease:
-            got.append((lease.worker, lease.waited))
-
-    waiting = asyncio.create_task(turn())
+    waiting = _later_turn(d, got)
     await asyncio.sleep(0.02)
     room(registry, other)  # an event before its patience ends: it still waits
     await asyncio.sleep(0)
@@ -469,12 +470,7 @@ async def test_a_later_turn_waits_for_a_slot_on_its_holder_sooner_than_its_prefi
     home.pace, home.kv_binds = 0.2, False
     _prefills(other, 1.0)
     got: list = []
-
-    async def turn():
-        async with d.lease(chat_info(*LATER)) as lease:
-            got.append((lease.worker, lease.waited))
-
-    waiting = asyncio.create_task(turn())
+    waiting = _later_turn(d, got)
     await asyncio.sleep(0.02)
     assert not got and d.admission.depth == 1  # it waits, the other worker has room
     async with d.lease(info(7)) as lease:
@@ -629,12 +625,7 @@ async def test_past_its_patience_a_waiter_waits_while_no_worker_with_room_has_kv
     home.pace = 20.0  # 50 ms of patience
     other.kv_free = 0.0  # its KV cache full (as a scrape of a worker whose cache binds)
     got: list = []
-
-    async def turn():
-        async with d.lease(chat_info(*LATER)) as lease:
-            got.append((lease.worker, lease.waited))
-
-    task = asyncio.create_task(turn())
+    task = _later_turn(d, got)
     await asyncio.sleep(0.1)
     d._serve_queue("m")  # an event past its patience: still no room anywhere
     await asyncio.sleep(0)
