@@ -8,11 +8,13 @@
 vLLM sends a streamed answer's first byte with its first token, once the prompt's uncached
 part and what was queued ahead of it on the worker's prefill are done: so the time to it
 over those bytes (Worker.backlog, as the policy guessed them: dispatch/backlog.py) is what
-the worker spends per byte it must prefill, base latency included (high for small
-prompts, so a move's cost is counted high, never low). A ratio of smoothed sums, not a
-mean of ratios: a long prefill weighs more than a short one, whose time is mostly the
-worker's fixed latency. What reads it: patience.py (is a full holder's next free slot
-sooner than prefilling the history elsewhere).
+the worker spends per byte it must prefill, base latency included. The bytes are
+guesses: they count at least the worker's recent miss share of each prompt
+(`Worker.miss`), which overstates a turn on its history's holder, so on a worker that
+misses a lot the rate comes out low (docs/benchmarks.md, "Waiting for a slot on the
+holder"). A ratio of smoothed sums, not a mean of ratios: a long prefill weighs more than
+a short one, whose time is mostly the worker's fixed latency. What reads it: patience.py
+(is a full holder's next free slot sooner than prefilling the history elsewhere).
 """
 
 from __future__ import annotations
