@@ -159,16 +159,17 @@ def _turns(rng: random.Random, count: int, user: TokenDraw, answer: TokenDraw, t
 
 
 def _started(
-    rng: random.Random,
-    count: int,
-    end: float,
-    make: Callable[[random.Random, int, float], Conversation],
-) -> list[Conversation]:
-    """`count` conversations starting at random over [0, end), in order of start; `make(rng,
-    i, start)` draws the i-th one's content, after all the start times (the order of draws
-    the families were measured with)."""
-    starts = sorted(rng.uniform(0.0, end) for _ in range(count))
-    return [make(rng, i, start) for i, start in enumerate(starts)]
+    count: int, end: float, make: Callable[[random.Random, int, float], Conversation]
+) -> Callable[[random.Random], list[Conversation]]:
+    """A family's `build`: `count` conversations starting at random over [0, end), in
+    order of start; `make(rng, i, start)` draws the i-th one's content, after all the start
+    times (the order of draws the families were measured with)."""
+
+    def build(rng: random.Random) -> list[Conversation]:
+        starts = sorted(rng.uniform(0.0, end) for _ in range(count))
+        return [make(rng, i, start) for i, start in enumerate(starts)]
+
+    return build
 
 
 def _alike(
@@ -203,8 +204,7 @@ def multiturn(sizes: Sizes) -> Family:
         turns = _turns(rng, TURNS, user, answer, THINK_MEAN, f"c{i}")
         return Conversation(start, rng.choice(systems), f"conv{i}", turns)
 
-    def build(rng: random.Random) -> list[Conversation]:
-        return _started(rng, CONVERSATIONS, end, one)
+    build = _started(CONVERSATIONS, end, one)
 
     setup = (
         f"{CONVERSATIONS} conversations x {TURNS} turns starting over {end:g} s, "
@@ -278,8 +278,7 @@ def agent(sizes: Sizes) -> Family:
         steps = _turns(rng, turns(rng), tool, answer, AGENT_THINK, f"a{i}")
         return Conversation(start, system, f"agent{i}", steps)
 
-    def build(rng: random.Random) -> list[Conversation]:
-        return _started(rng, AGENT_SESSIONS, end, one)
+    build = _started(AGENT_SESSIONS, end, one)
 
     setup = (
         f"{AGENT_SESSIONS} sessions of 2-16 turns (mean {mean_turns:.1f}) starting over "
@@ -317,8 +316,7 @@ def docchat(sizes: Sizes) -> Family:
         turns = _turns(rng, CHAT_TURNS, user, answer, CHAT_THINK, f"c{i}", doc + "\n\nQ: ")
         return Conversation(start, "You are a helpful assistant.", f"doc{i}", turns)
 
-    def build(rng: random.Random) -> list[Conversation]:
-        return _started(rng, CHAT_CONVERSATIONS, end, one)
+    build = _started(CHAT_CONVERSATIONS, end, one)
 
     setup = (
         f"{CHAT_CONVERSATIONS} conversations x {CHAT_TURNS} turns starting over {end:g} s, "
@@ -353,8 +351,7 @@ def longchat(sizes: Sizes) -> Family:
         turns = _turns(rng, rng.randint(low, high), user, answer, LONG_THINK, f"L{i}")
         return Conversation(start, "You are a helpful assistant.", f"long{i}", turns)
 
-    def build(rng: random.Random) -> list[Conversation]:
-        return _started(rng, LONG_CONVERSATIONS, end, one)
+    build = _started(LONG_CONVERSATIONS, end, one)
 
     setup = (
         f"{LONG_CONVERSATIONS} conversations of {low}-{high} turns starting over {end:g} s "
