@@ -287,6 +287,15 @@ async def test_a_streamed_request_owes_its_worker_prefill_until_its_first_byte(
     # Its first byte taught the worker's prefill rate (prefill_rate.py): ~0.8 s over the
     # bytes it waited for, 0.1-1 ms per byte (the JSON is ~5 bytes per token at 2 ms each).
     assert 1e-4 < seconds_per_byte(w) < 1e-3
+    # The same prompt again is held there (the index says so): its bytes are a guess,
+    # and its first byte, much sooner, teaches nothing (only cold prompts do).
+    learned = seconds_per_byte(w)
+    again = await client.chat.completions.create(
+        model="m", messages=messages, max_tokens=4, stream=True
+    )
+    async for _ in again:
+        pass
+    assert seconds_per_byte(w) == learned
     await client.chat.completions.create(model="m", messages=messages, max_tokens=4)
     assert w.backlog == 0 and w.inflight == 0
     await client.close()

@@ -94,16 +94,20 @@ def test_nonsense_first_bytes_are_ignored(elapsed, work):
     assert seconds_per_byte(w) == pytest.approx(1e-3)
 
 
-@pytest.mark.parametrize("status, learns", [(200, True), (503, False), (429, False)])
-def test_only_a_successful_answers_first_byte_teaches_the_rate(status, learns):
-    """An error's short body comes at once, whatever the prefill: it says nothing of it.
+@pytest.mark.parametrize(
+    "status, known, learns",
+    [(200, True, True), (503, True, False), (429, True, False), (200, False, False)],
+)
+def test_only_a_successful_answer_of_known_bytes_teaches_the_rate(status, known, learns):
+    """An error's short body comes at once, whatever the prefill: it says nothing of it;
+    nor does an answer whose prefill bytes were a guess (dispatcher.py sets `learns`).
     Either way the worker owes the request no more prefill."""
     w = Worker("http://w")
     lease = Lease(None, w, RequestInfo("/v1/chat/completions", b"{}", "m", True, "r"))
-    lease.pending, lease.ahead = 300, 700
+    lease.pending, lease.learns = 300, known
     w.backlog = 1000
-    lease.first_body(status, lease.started + 0.5)
+    lease.first_body(status, lease.started + 0.3)
     assert w.backlog == 700 and lease.pending == 0
-    assert seconds_per_byte(w) == (pytest.approx(5e-4) if learns else 0.0)
+    assert seconds_per_byte(w) == (pytest.approx(1e-3) if learns else 0.0)
     lease.first_body(status, lease.started + 9.0)  # (called once; nothing more to learn)
     assert w.backlog == 700

@@ -268,7 +268,7 @@ class Dispatcher:
                         candidates = [w for w in available if w in more or has_token(w)]
         else:
             candidates = available
-        info.prefill, info.stretched = 0, more  # (a retry may meet another policy)
+        info.prefill, info.cold, info.stretched = 0, False, more  # (a retry may meet another)
         worker = policy.select(candidates, info)
         if worker is None:
             return None
@@ -286,7 +286,9 @@ class Dispatcher:
         # Only a streamed answer's first byte tells when its prefill ended (a whole
         # answer comes after its decode too): only those count in the backlog.
         if info.stream and info.prefill:
-            lease.pending, lease.ahead = info.prefill, worker.backlog
+            # Its first byte's time teaches the worker's prefill rate only when the bytes
+            # it waited for are known: a cold prompt with nothing of ours ahead of it.
+            lease.pending, lease.learns = info.prefill, info.cold and not worker.backlog
             worker.backlog += info.prefill
         return lease
 

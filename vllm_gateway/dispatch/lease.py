@@ -27,13 +27,13 @@ class Lease:
 
     __slots__ = (
         "_dispatcher",
-        "ahead",
         "attempt",
         "bytes",
         "can_retry",
         "first_byte",
         "full",
         "info",
+        "learns",
         "outcome",
         "pending",
         "started",
@@ -67,18 +67,19 @@ class Lease:
         self.waited = 0.0  # seconds spent in the admission queue before this lease
         self.full = full  # sent to a worker already full (Buckets.take says when)
         # Its part of the worker's prefill backlog (Worker.backlog) until its first byte,
-        # and the backlog that was ahead of it when it was sent.
+        # and whether that byte's time teaches the worker's prefill rate (dispatcher.py).
         self.pending = 0
-        self.ahead = 0
+        self.learns = False
 
     def first_body(self, status: int, at: float) -> None:
         """The answer's first body byte came at `at` (time.monotonic()): its prefill is
         over. A successful answer's time to it, over the prefill it waited for, teaches
-        the worker's prefill rate (prefill_rate.py); an error's body says nothing of it."""
+        the worker's prefill rate (prefill_rate.py) when that prefill's bytes are known
+        (`learns`); an error's body says nothing of it."""
         pending = self.pending
         if pending:
-            if 200 <= status < 300:
-                note(self.worker, at - self.started, pending + self.ahead)
+            if self.learns and 200 <= status < 300:
+                note(self.worker, at - self.started, pending)
             self.prefilled()
 
     def prefilled(self) -> None:

@@ -31,6 +31,7 @@ class RequestInfo:
         "_blocks",
         "_doc",
         "body",
+        "cold",
         "headers",
         "model",
         "path",
@@ -62,6 +63,9 @@ class RequestInfo:
         # Prompt bytes the chosen worker probably does not cache (set by a policy that
         # knows, cache_aware; 0: unknown): what it owes the worker's prefill backlog.
         self.prefill = 0
+        # That part is the whole prompt (the policy expects the worker holds none of it):
+        # the one estimate whose bytes are as good as known (prefill_rate.py learns from it).
+        self.cold = False
         # Workers the capacity gate would let this request past their probing limit, as
         # the probe the policy asked for (buckets.py `can_stretch`; the limit is raised,
         # `stretch`, only for the one chosen): a batch slot it may take.

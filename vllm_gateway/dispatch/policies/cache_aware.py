@@ -124,6 +124,7 @@ class CacheAware:
         if worker is not None:
             if info.stream:  # only a streamed answer's first byte says its prefill ended
                 info.prefill = self._uncached(worker, blocks, preamble)
+                info.cold = info.prefill >= blocks.size
             self.index.record(worker, blocks)
         return worker
 
