@@ -897,16 +897,44 @@ def test_the_chosen_workers_share_of_the_prompt_it_lacks_is_set_on_the_request()
     first = info(chat("q " * 300))
     home = p.select(ws, first)
     assert first.prefill == first.prefix_blocks().size  # type: ignore[union-attr]
+    assert first.cold  # none of it anywhere: its bytes are known (prefill_rate.py)
     later = info(chat("q " * 300, "answer " * 100, "next question"))
     blocks = later.prefix_blocks()
     assert blocks is not None
     assert p.select(ws, later) is home
     # It holds the first turn's prompt: what the turn adds is left (to a block).
     assert 0 < later.prefill <= blocks.size - blocks.key_end + BLOCK_BYTES
-    # Another worker lacks all of it.
+    assert not later.cold
+    # Another worker lacks all of it, by this process's index; but a later turn whose
+    # history is on none of the candidates may have been placed there by another
+    # replica: not counted cold.
     other = info(chat("q " * 300, "answer " * 100, "next question"))
     assert p.select([w for w in ws if w is not home], other) is not home
-    assert other.prefill == blocks.size
+    assert other.prefill == blocks.size and not other.cold
+    # A worker that misses all it is sent is counted as lacking all; still not cold.
+    home.miss = 1.0
+    again = info(chat("q " * 300, "answer " * 100, "next question"))
+    assert p.select([home], again) is home
+    assert again.prefill == blocks.size and not again.cold
+
+
+def test_a_worker_holding_an_earlier_part_of_a_history_is_not_cold():
+    """Its deepest holder owes too much prefill (left for its backlog): the turn goes to
+    a worker holding the conversation's first turn only. It lacks most of the prompt,
+    but not all of it: not a cold prompt to learn the prefill rate from."""
+    ws = workers(2)
+    backlogged(ws, {})
+    p = policy()
+    early, deep = ws
+    turns = ("q " * 300, "answer " * 100, "next " * 100, "answer " * 100, "last")
+    assert p.select([early], info(chat(*turns[:1], system="Be brief."))) is early
+    assert p.select([deep], info(chat(*turns[:3], system="Be brief."))) is deep
+    last = info(chat(*turns, system="Be brief."))
+    blocks = last.prefix_blocks()
+    assert blocks is not None
+    deep.backlog = 10 * blocks.size
+    assert p.select(ws, last) is early
+    assert not last.cold
 
 
 def test_a_first_turn_stays_with_its_congested_preamble_holder_a_later_turn_leaves():

@@ -262,6 +262,28 @@ def chat_info(*turns: str):
     return parse_request("/v1/chat/completions", body, "r")
 
 
+async def test_only_a_cold_prompt_with_nothing_owed_ahead_teaches_the_prefill_rate():
+    """A streamed cold prompt's first byte teaches the worker's prefill rate (Lease
+    `learns`) only when the worker owes none of this process's prefill ahead of it: the
+    bytes it waited for are then its own, known; behind another's, they are a guess."""
+    registry, (w,), d = fleet("cache_aware")
+    room(registry, w)
+
+    def streamed(text: str):
+        body = orjson.dumps({"model": "m", "stream": True, "messages": [
+            {"role": "user", "content": text}]})  # fmt: skip
+        return parse_request("/v1/chat/completions", body, "r")
+
+    async with d.lease(streamed("q " * 400)) as first:
+        assert first.learns and w.backlog == first.pending > 0
+        async with d.lease(streamed("another " * 200)) as second:
+            assert second.pending > 0 and not second.learns  # behind the first's prefill
+        first.first_body(200, first.started + 0.2)
+    assert w.backlog == 0
+    async with d.lease(streamed("q " * 400)) as again:  # held there now: not cold
+        assert again.pending > 0 and not again.learns
+
+
 async def test_going_elsewhere_probes_only_a_worker_the_policy_would_rather_have():
     """Gated at its probing limit, a worker's capacity is probed upward by a request that
     would rather have it (its history is there): the request itself goes there, past the

@@ -283,11 +283,9 @@ class Dispatcher:
         attempt = len(exclude) + 1
         can_retry = attempt < self.retry.max_attempts and len(available) > 1
         lease = Lease(self, worker, info, attempt, can_retry, full)
-        # Only a streamed answer's first byte tells when its prefill ended (a whole
-        # answer comes after its decode too): only those count in the backlog.
+        # Only a streamed answer's first byte tells when its prefill ended: only those owe
+        # the backlog, and teach the rate if they wait for known bytes (cold, none ahead).
         if info.stream and info.prefill:
-            # Its first byte's time teaches the worker's prefill rate only when the bytes
-            # it waited for are known: a cold prompt with nothing of ours ahead of it.
             lease.pending, lease.learns = info.prefill, info.cold and not worker.backlog
             worker.backlog += info.prefill
         return lease

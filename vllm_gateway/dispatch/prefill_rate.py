@@ -8,16 +8,17 @@ vLLM sends a streamed answer's first byte with its first token, once the prompt'
 part and what was queued ahead of it on the worker's prefill are done: so the time to it
 over those bytes is what the worker spends per byte it must prefill, base latency
 included. The dispatcher notes only requests whose bytes are as good as known (Lease
-`learns`): a cold prompt (the policy expects the worker holds none of it: all of it is
-prefilled) sent with none of this process's backlog ahead. Other requests' bytes are
-guesses (dispatch/backlog.py) that count at least the worker's recent miss share of each
-prompt (`Worker.miss`), where a turn on its holder misses a few hundred bytes: learned
-over those, the rate came out at a third of the fake worker's on `longchat`
+`learns`): a cold prompt (by the index the worker holds no part of it: all of it is
+prefilled; cache_aware `_cold`) sent with none of this process's backlog ahead. Other
+requests' bytes are guesses (dispatch/backlog.py) that count at least the worker's recent
+miss share of each prompt (`Worker.miss`), where a turn on its holder misses a few hundred
+bytes: learned over those, the rate came out at a third of the fake worker's on `longchat`
 (docs/benchmarks.md, "Waiting for a slot on the holder"). A worker sent no cold prompt
 while idle has no rate (0.0), and nothing waits on one. A ratio of smoothed sums, not a
 mean of ratios: a long prefill weighs more than a short one, whose time is mostly the
-worker's fixed latency. What reads it: patience.py (is a full holder's next free slot
-sooner than prefilling the history elsewhere).
+worker's fixed latency (which the rate still includes: where cold prompts are all short,
+it comes out high). What reads it: patience.py (is a full holder's next free slot sooner
+than prefilling the history elsewhere).
 """
 
 from __future__ import annotations

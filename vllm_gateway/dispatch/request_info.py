@@ -63,8 +63,8 @@ class RequestInfo:
         # Prompt bytes the chosen worker probably does not cache (set by a policy that
         # knows, cache_aware; 0: unknown): what it owes the worker's prefill backlog.
         self.prefill = 0
-        # That part is the whole prompt (the policy expects the worker holds none of it):
-        # the one estimate whose bytes are as good as known (prefill_rate.py learns from it).
+        # The policy knows the worker holds none of the prompt (cache_aware `_cold`): its
+        # prefill is the whole prompt, bytes as good as known (prefill_rate.py learns them).
         self.cold = False
         # Workers the capacity gate would let this request past their probing limit, as
         # the probe the policy asked for (buckets.py `can_stretch`; the limit is raised,

@@ -124,7 +124,7 @@ class CacheAware:
         if worker is not None:
             if info.stream:  # only a streamed answer's first byte says its prefill ended
                 info.prefill = self._uncached(worker, blocks, preamble)
-                info.cold = info.prefill >= blocks.size
+                info.cold = self._cold(worker, blocks, preamble)
             self.index.record(worker, blocks)
         return worker
 
@@ -151,6 +151,18 @@ class CacheAware:
         """Prompt bytes `worker` probably lacks (backlog.py), by this request's holders."""
         depth = self._depth if worker in self._holders else 0
         return uncached(worker, blocks, preamble, depth, self.index)
+
+    def _cold(self, worker: Worker, blocks: PrefixBlocks, preamble: int) -> bool:
+        """Whether `worker` surely holds no part of the prompt (prefill_rate.py learns from
+        it): by the index, not its first block (sent with every deeper one) nor preamble;
+        for a later turn, its history known on a candidate (if nowhere, another replica
+        may have placed it on this very worker)."""
+        names, index = blocks.blocks, self.index
+        if not names or worker in self._holders or (blocks.continued and not self._holders):
+            return False
+        return not index.holds(names[0], worker) and not (
+            preamble and index.holds(preamble, worker)
+        )
 
     def preferred(
         self, gated: Sequence[Worker], candidates: Sequence[Worker], info: RequestInfo
