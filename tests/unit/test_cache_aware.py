@@ -937,6 +937,44 @@ def test_a_worker_holding_an_earlier_part_of_a_history_is_not_cold():
     assert not last.cold
 
 
+def test_a_worker_that_lost_only_the_head_of_a_history_from_the_index_is_not_cold():
+    """The index forgets a prompt's names from its head (its first block first), so a
+    worker can still hold most of an older turn without its first name: not cold."""
+    ws = workers(2)
+    backlogged(ws, {})
+    p = policy()
+    early, deep = ws
+    turns = ("q " * 300, "answer " * 1000, "next " * 1000, "answer " * 1000, "last")
+    third = info(chat(*turns[:3], system="Be brief."))
+    assert p.select([early], third) is early
+    names = third.prefix_blocks().blocks  # type: ignore[union-attr]
+    # A cache of a few blocks more than that turn's: one more prompt evicts its head.
+    early.stats = EngineStats(0, 0, None, 0.0, cache_tokens=(len(names) + 4) * 64)
+    p.select([early], info(chat("other " * 900, system="Be brief.")))
+    assert not p.index.holds(names[0], early) and p.index.holds(names[-1], early)
+    assert p.select([deep], info(chat(*turns[:5], system="Be brief."))) is deep
+    last = info(chat(*turns, system="Be brief."))
+    deep.backlog = 10 * last.prefix_blocks().size  # type: ignore[union-attr]
+    assert p.select(ws, last) is early
+    assert not last.cold
+
+
+def test_a_worker_holding_the_system_prompt_is_not_cold_for_a_documents_question():
+    """The shared start a request is counted under may be a document in its first user
+    message, not its system prompt; a worker holding the system prompt is not cold."""
+    ws = workers(3)
+    backlogged(ws, {})
+    p = policy()
+    held, seeded, _ = ws
+    p.select([held], info(chat("an unrelated question " * 10)))  # SYSTEM only, in common
+    document = "document text " * 400
+    p.select([seeded], info(chat(document + " question one")))
+    asked = info(chat(document + " question two"))
+    assert p.select([held], asked) is held
+    assert p.shared != asked.prefix_blocks().preamble  # type: ignore[union-attr]
+    assert not asked.cold
+
+
 def test_a_first_turn_stays_with_its_congested_preamble_holder_a_later_turn_leaves():
     """A first turn sent away from its preamble's worker would copy the preamble into one
     more cache (a cost to every conversation sharing it): only later turns, whose history

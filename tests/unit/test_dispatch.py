@@ -11,6 +11,7 @@ import pytest
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.dispatcher import CLIENT_GONE, Dispatcher
 from vllm_gateway.dispatch.policies import POLICIES, make_policy
+from vllm_gateway.dispatch.prefill_rate import seconds_per_byte
 from vllm_gateway.dispatch.request_info import parse_request
 from vllm_gateway.errors import NoWorkerAvailable, QueueFull, QueueTimeout
 from vllm_gateway.workers import EngineStats, WorkerRegistry, WorkerState
@@ -279,9 +280,12 @@ async def test_only_a_cold_prompt_with_nothing_owed_ahead_teaches_the_prefill_ra
         async with d.lease(streamed("another " * 200)) as second:
             assert second.pending > 0 and not second.learns  # behind the first's prefill
         first.first_body(200, first.started + 0.2)
-    assert w.backlog == 0
+    assert w.backlog == 0 and seconds_per_byte(w) > 0.0  # learned from the first alone
+    learned = seconds_per_byte(w)
     async with d.lease(streamed("q " * 400)) as again:  # held there now: not cold
         assert again.pending > 0 and not again.learns
+        again.first_body(200, again.started + 0.001)
+    assert seconds_per_byte(w) == learned
 
 
 async def test_going_elsewhere_probes_only_a_worker_the_policy_would_rather_have():

@@ -154,15 +154,14 @@ class CacheAware:
 
     def _cold(self, worker: Worker, blocks: PrefixBlocks, preamble: int) -> bool:
         """Whether `worker` surely holds no part of the prompt (prefill_rate.py learns from
-        it): by the index, not its first block (sent with every deeper one) nor preamble;
-        for a later turn, its history known on a candidate (if nowhere, another replica
-        may have placed it on this very worker)."""
-        names, index = blocks.blocks, self.index
+        it): by the index none of its names nor preambles; for a later turn, its history
+        known on a candidate (if nowhere, another replica may have placed it there)."""
+        names, index, own = blocks.blocks, self.index, blocks.preamble
         if not names or worker in self._holders or (blocks.continued and not self._holders):
             return False
-        return not index.holds(names[0], worker) and not (
-            preamble and index.holds(preamble, worker)
-        )
+        if (preamble and index.holds(preamble, worker)) or (own and index.holds(own, worker)):
+            return False  # (the shared start counted may be a document, not its preamble)
+        return not index.deepest(names, (worker,))[1]  # (eviction drops a prompt's head)
 
     def preferred(
         self, gated: Sequence[Worker], candidates: Sequence[Worker], info: RequestInfo
