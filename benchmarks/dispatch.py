@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks import dispatch_report as report
-from benchmarks.cache_stats import cache_counters, hit_rate
+from benchmarks.cache_stats import cache_counters, hit_rate, per_worker, total
 from benchmarks.families import FAMILIES, Family, Sizes
 from benchmarks.machine import cpu_ticks, idle_since, wait_quiet
 from benchmarks.router import INSTALL_HINT, find_router
@@ -74,17 +74,18 @@ def summarize(played: Played) -> dict[str, float]:
 
 
 async def drive(family: Family, urls: list[str], workers: list[str], seed: int,
-                args: argparse.Namespace) -> dict[str, float]:  # fmt: skip
+                args: argparse.Namespace) -> dict:  # fmt: skip
     conversations = family.build(random.Random(seed))
     async with aiohttp.ClientSession() as scrape:
-        before: list[tuple[float, float]] = []
+        before: list[list[tuple[float, float]]] = []
 
         async def at_measure() -> None:
             before.append(await cache_counters(scrape, workers))
 
         played = await play(urls, conversations, args.warmup, args.drain, at_measure)
         after = await cache_counters(scrape, workers)
-    return summarize(played) | {"hit_rate": hit_rate(before[0], after)}
+    hits = {"hit_rate": hit_rate(total(before[0]), total(after))}
+    return summarize(played) | hits | {"workers": per_worker(before[0], after)}
 
 
 def worker_specs(family: Family, args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
@@ -97,7 +98,7 @@ def worker_specs(family: Family, args: argparse.Namespace) -> tuple[WorkerSpec, 
 
 
 def measure(family: Family, system: System, seed: int, args: argparse.Namespace,
-            router_bin: str | None) -> dict[str, float]:  # fmt: skip
+            router_bin: str | None) -> dict:  # fmt: skip
     """One measurement: fresh workers, the system in front, the family's load; all stopped."""
     wait_quiet(args.min_idle, args.quiet_wait)
     worker_procs, workers = start_workers(worker_specs(family, args))
@@ -121,8 +122,15 @@ def systems(args: argparse.Namespace, router_bin: str | None) -> list[System]:
     return out + [System(GATEWAY, p) for p in dict.fromkeys(policies)]
 
 
-def brief(r: dict[str, float]) -> str:
-    return " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
+def brief(r: dict) -> str:
+    """One measurement on a line; each worker's hit rate as worker_hits=a/b/..."""
+    out = []
+    for k, v in r.items():
+        if k == "workers":
+            out.append("worker_hits=" + "/".join(f"{w['hit_rate']:.2f}" for w in v))
+        else:
+            out.append(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}")
+    return " ".join(out)
 
 
 def parse_args() -> argparse.Namespace:
@@ -136,6 +144,8 @@ def parse_args() -> argparse.Namespace:
                     help="the gateway as serve --processes N (its processes share one port; "
                          "the kernel spreads the client's connections over them)")  # fmt: skip
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1000,
+                    help="the first run's conversations (run i plays seed + i - 1)")  # fmt: skip
     ap.add_argument("--duration", type=float, default=15.0, help="measured seconds of arrivals")
     ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first")
     ap.add_argument("--drain", type=float, default=30.0, help="longest wait for the tail")
@@ -174,7 +184,7 @@ def run_all(
             for system in chosen:
                 label = f"run {run + 1} {family.name:9s} {system.name:26s}"
                 try:
-                    r = measure(family, system, 1000 + run, args, router_bin)
+                    r = measure(family, system, args.seed + run, args, router_bin)
                 except RuntimeError as e:  # a process that would not start: say so, go on
                     print(f"{label} failed: {e}", flush=True)
                     continue

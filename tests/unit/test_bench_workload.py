@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from benchmarks.cache_stats import _SAMPLE, hit_rate
+from benchmarks.cache_stats import _SAMPLE, hit_rate, per_worker, total
 from benchmarks.dispatch_report import doc_key
 from benchmarks.families import (
     AGENT_SESSIONS,
@@ -140,3 +140,11 @@ def test_hit_rate_reads_the_fake_workers_counters() -> None:
         "vllm:prefix_cache_hits_total": "50.0",
     }
     assert hit_rate((100, 10), (300, 60)) == 0.25
+
+
+def test_the_hit_rate_is_read_per_worker_and_for_the_fleet():
+    before, after = [(100.0, 10.0), (50.0, 50.0)], [(300.0, 60.0), (50.0, 50.0)]
+    assert hit_rate(total(before), total(after)) == 0.25  # the idle worker adds nothing
+    rates = per_worker(before, after)
+    assert rates[0] == {"queried": 200.0, "hit_rate": 0.25}
+    assert rates[1]["queried"] == 0.0 and rates[1]["hit_rate"] != rates[1]["hit_rate"]  # NaN
