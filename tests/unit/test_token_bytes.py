@@ -102,33 +102,33 @@ def test_a_known_figure_holds_through_a_quiet_spell_and_a_page_without_the_count
 @pytest.mark.parametrize(
     ("binds", "token_bytes", "per_token"),
     [
-        (False, 10.0, BYTES_PER_TOKEN),  # not binding: counted high, as before
+        (False, 0.0, BYTES_PER_TOKEN),  # nothing measured yet: counted high
         (True, 0.0, BYTES_PER_TOKEN),  # binding, the figure not known yet
-        (True, 10.0, 10.0),  # binding: at the measured figure
-        (True, 40.0, BYTES_PER_TOKEN),  # never more than before it bound
+        (False, 10.0, 10.0),  # measured: at the figure, binding or not
+        (True, 10.0, 10.0),
+        (False, 40.0, BYTES_PER_TOKEN),  # never more than before it was measured
         (True, 0.5, 2.0),  # nor less than 2 bytes a token
     ],
 )
-def test_a_binding_workers_index_is_sized_at_its_measured_bytes_per_token(
-    binds, token_bytes, per_token
-):
+def test_a_workers_index_is_sized_at_its_measured_bytes_per_token(binds, token_bytes, per_token):
     w = Worker("http://w", models=("m",))
     w.stats = EngineStats(0, 0, 0.5, 0.0, cache_tokens=10_240.0)
     w.kv_binds, w.token_bytes = binds, token_bytes
     assert capacity_of(w) == int(10_240 * per_token // BLOCK_BYTES)
 
 
-def test_a_binding_workers_index_forgets_the_document_its_cache_had_no_room_for():
+def test_the_index_forgets_the_document_the_workers_cache_had_no_room_for():
     """A cache of 5000 tokens at 10 bytes a token holds two documents of 2560 tokens (25
-    KiB): sent a third, the worker evicted the first. Counted high (16 bytes a token) the
-    index still names it a holder; sized at the measured figure, it does not."""
+    KiB): sent a third, the worker evicted the first, whether or not it ever kept a request
+    waiting for blocks. Counted high (16 bytes a token, nothing measured) the index still
+    names it a holder; sized at the measured figure, it does not."""
     docs = [(f"document {d} " * 3000)[: 25 * BLOCK_BYTES + 100] for d in range(3)]
     blocks = [prefix_blocks({"prompt": doc}) for doc in docs]
     held = []
-    for binds in (False, True):
+    for measured in (0.0, 10.0):
         w = Worker("http://w", models=("m",))
         w.stats = EngineStats(0, 0, 0.5, 0.0, cache_tokens=5000.0)
-        w.kv_binds, w.token_bytes = binds, 10.0
+        w.token_bytes = measured  # (kv_binds stays False: an evicting cache need not bind)
         index = PrefixIndex()
         for b in blocks:
             assert b is not None
@@ -137,20 +137,20 @@ def test_a_binding_workers_index_forgets_the_document_its_cache_had_no_room_for(
     assert held == [[True, True, True], [False, True, True]]
 
 
-def test_an_index_filled_before_the_cache_bound_shrinks_at_the_next_record():
-    """Three documents remembered while the worker was not known to bind; once it is, the
-    next request recorded there evicts the least recently sent past its measured size."""
+def test_an_index_filled_before_the_figure_was_measured_shrinks_at_the_next_record():
+    """Three documents remembered while nothing was measured for the worker; once the
+    figure is, the next request recorded there evicts the least recently sent past its
+    measured size."""
     docs = [(f"document {d} " * 3000)[: 25 * BLOCK_BYTES + 100] for d in range(3)]
     blocks = [prefix_blocks({"prompt": doc}) for doc in docs]
     w = Worker("http://w", models=("m",))
     w.stats = EngineStats(0, 0, 0.5, 0.0, cache_tokens=5000.0)
-    w.token_bytes = 10.0
     index = PrefixIndex()
     for b in blocks:
         assert b is not None
         index.record(w, b)
     assert index.blocks_of(w) == 75  # 25 names each, under 5000 x 16 / 1024 = 78
-    w.kv_binds = True
+    w.token_bytes = 10.0
     assert blocks[2] is not None
     index.record(w, blocks[2])  # the latest again
     assert index.blocks_of(w) == capacity_of(w) == 48

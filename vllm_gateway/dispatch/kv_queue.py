@@ -18,8 +18,8 @@ worker over the mean prompt its own counters say it processed per request it fin
 (`vllm:prompt_tokens_total` over `vllm:request_success_total`), both as sums halving every
 `TOKEN_BYTES_HALF_LIFE` seconds. The counters count every sender's requests: a replica
 sending the same mix measures the same figure; other senders with another mix (direct
-clients with long documents, say) bias it. The prefix index sizes a binding worker's
-cache by it (prefix_index.py `capacity_of`).
+clients with long documents, say) bias it. The prefix index sizes the worker's cache by
+it once measured, binding or not (prefix_index.py `capacity_of`).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ earlier one; vLLM itself evicts a prompt's tail first, but the index is a guess 
 bounded like a cache: past `capacity` blocks the least recently sent is evicted, as vLLM
 evicts the least recently used free block. `capacity` is the worker's KV cache in our
 blocks when it reports one (`vllm:cache_config_info`: num_gpu_blocks x block_size
-tokens, counted at `BYTES_PER_TOKEN` bytes each, at most `DEFAULT_CAPACITY`; once its KV
-cache is seen to bind, at the bytes per token measured for it), else `DEFAULT_CAPACITY`.
+tokens, counted at the bytes per token measured for it, or `BYTES_PER_TOKEN` until one
+is, at most `DEFAULT_CAPACITY`), else `DEFAULT_CAPACITY`.
 Beside it, block hash -> the workers holding it, so finding the deepest match is a walk
 from the request's last block back towards its first, one dict lookup per block,
 stopping at the first block any candidate holds: a conversation's next turn finds its
@@ -33,19 +33,21 @@ from collections.abc import Sequence
 from vllm_gateway.dispatch.prefix_hash import BLOCK_BYTES, PrefixBlocks
 from vllm_gateway.workers import Worker
 
-# Bytes of prompt text per token, to size the index from a worker's KV cache in tokens.
-# English with the usual tokenizers is ~4, chat JSON adds its keys and quotes, and code,
-# numbers or identifiers run to 8-12. Counted high on purpose, the errors are unequal:
-# remembering a conversation the worker has since evicted sends its next turn there, to
-# pay the prefill it would pay anywhere; forgetting one the worker still holds sends the
-# turn elsewhere to prefill its whole history again (and makes replicas disagree).
+# Bytes of prompt text per token, to size the index from a worker's KV cache in tokens
+# while no figure is measured for the worker. English with the usual tokenizers is ~4,
+# chat JSON adds its keys and quotes, and code, numbers or identifiers run to 8-12.
+# Counted high: with nothing measured, forgetting a history the worker still holds sends
+# its next turn elsewhere to prefill all of it again (and makes replicas disagree).
 BYTES_PER_TOKEN = 16
-# Once a worker's KV cache binds (dispatch/kv_queue.py), it holds what fits and evicts the
-# rest within seconds, and the other error costs more: an index that remembers a document
-# or a history the worker has evicted names it a holder, so requests keep going there to
-# prefill it again, evicting the next, and none waits for the worker that really holds
-# it. So its cache is counted at the bytes per token measured for it (`Worker.token_bytes`),
-# within these bounds (never past BYTES_PER_TOKEN: never more than before it bound).
+# Once measured for the worker (`Worker.token_bytes`, dispatch/kv_queue.py), its cache is
+# counted at that figure, within these bounds (never past BYTES_PER_TOKEN). A KV cache
+# evicts its least recently used free blocks long before it binds (keeps requests waiting
+# for blocks), silently; counted high, the index kept naming a worker the holder of
+# documents and histories it had evicted, so their conversations, new ones too, kept
+# going there (with a holder's looser load bound) to prefill them again, each copy
+# evicting the next (docchat: docs/benchmarks.md "The index sized at the measured bytes
+# per token"). The other error, forgetting what the worker holds, stays small at the
+# measured figure: the worker keeps about what fits.
 MIN_BYTES_PER_TOKEN = 2.0
 # Blocks remembered per worker that reports no cache size: 16384 x 1 KiB = 16 MiB of
 # prompt text, 1-4M tokens; larger than most workers' KV cache, so a worker that does not
@@ -62,7 +64,7 @@ def capacity_of(worker: Worker) -> int:
     # Never more than a worker that does not report: the gateway's memory stays bounded
     # (a few hundred bytes per block remembered) whatever a worker claims.
     per_token = float(BYTES_PER_TOKEN)
-    if worker.kv_binds and worker.token_bytes > 0:
+    if worker.token_bytes > 0:
         per_token = min(per_token, max(MIN_BYTES_PER_TOKEN, worker.token_bytes))
     return max(1, min(DEFAULT_CAPACITY, int(tokens * per_token // BLOCK_BYTES)))
 
