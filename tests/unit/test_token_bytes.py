@@ -1,5 +1,5 @@
 """Bytes per token, measured per worker (dispatch/kv_queue.py `TokenBytes`), and the prefix
-index sized by it once the worker's KV cache binds (dispatch/prefix_index.py)."""
+index sized by it once measured (dispatch/prefix_index.py)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,26 @@ def play(
 )
 def test_bytes_per_token_are_the_mean_body_over_the_mean_prompt(scrapes, figure):
     assert play(scrapes) == pytest.approx(figure, rel=0.02)
+
+
+def test_the_figure_is_right_from_the_first_reading_while_long_answers_ramp_up():
+    """4 requests a second of 1000-token prompts in 10 000-byte bodies, each decoding for
+    10 s: the worker counts each prompt when it starts and the request 10 s later. Counted
+    by the finished alone, the first readings said 1.7 bytes a token (clamped to 2, the
+    index would keep a fifth of the cache); with the growth of the running requests, 10."""
+    registry, w, b = setup()
+    readings = []
+    for i in range(200):  # 50 s, a scrape every 0.25 s, one request sent before each
+        b.take(w, True, 10_000)
+        started = i + 1
+        done = float(max(0, started - 40))  # each ends 40 scrapes (10 s) after it started
+        stats = EngineStats(
+            started - done, 0, None, 0.25 * i, prompt_tokens=1000.0 * started, requests_done=done
+        )
+        registry.set_stats(w, stats)
+        if w.token_bytes:
+            readings.append(w.token_bytes)
+    assert readings and all(x == pytest.approx(10.0, rel=0.05) for x in readings)
 
 
 def test_the_figure_follows_a_new_mix_and_starts_over_when_the_worker_restarts():

@@ -15,7 +15,9 @@ are counted (`Worker.kv_free`); `has_kv_room` reads them for placement
 
 Bytes per token (`TokenBytes`, `Worker.token_bytes`): the mean body this process sends the
 worker over the mean prompt its own counters say it processed per request it finished
-(`vllm:prompt_tokens_total` over `vllm:request_success_total`), both as sums halving every
+(`vllm:prompt_tokens_total` over `vllm:request_success_total` plus the growth of
+`vllm:num_requests_running`: vLLM counts a prompt when its prefill runs, the request when
+it ends), both as sums halving every
 `TOKEN_BYTES_HALF_LIFE` seconds. The counters count every sender's requests: a replica
 sending the same mix measures the same figure; other senders with another mix (direct
 clients with long documents, say) bias it. The prefix index sizes the worker's cache by
@@ -50,8 +52,8 @@ class TokenBytes:
     what the worker's counters say it processed (module docstring)."""
 
     __slots__ = (
-        "bytes", "done_seen", "figure", "requests", "sends", "sent", "sent_bytes", "tokens",
-        "tokens_seen",
+        "bytes", "done_seen", "figure", "requests", "running_seen", "sends", "sent", "sent_bytes",
+        "tokens", "tokens_seen",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -59,30 +61,42 @@ class TokenBytes:
         self.sent_bytes = 0  # and their bytes
         self.tokens_seen: float | None = None  # the counters at the last scrape
         self.done_seen: float | None = None
+        self.running_seen: float | None = None
         # Decayed sums: this process's requests and bytes; the worker's requests and tokens.
         self.sends = self.bytes = self.requests = self.tokens = 0.0
         self.figure = 0.0  # the last figure measured (0: none yet)
 
-    def fold(self, tokens: float | None, done: float | None, decay: float) -> float:
-        """A scrape with these counters (prompt tokens, requests finished), `decay` the
-        sums' weight since the last one: the bytes per token now (0: not known). Once
-        known, the figure holds while the evidence thins (a quiet spell, a page missing a
-        counter for a scrape), and starts over when the worker restarts."""
+    def fold(
+        self, tokens: float | None, done: float | None, decay: float, running: float | None = None
+    ) -> float:
+        """A scrape with these counters (prompt tokens, requests finished) and the requests
+        running, `decay` the sums' weight since the last one: the bytes per token now (0:
+        not known). Once known, the figure holds while the evidence thins (a quiet spell, a
+        page missing a counter for a scrape), and starts over when the worker restarts.
+
+        vLLM counts a prompt's tokens when its prefill runs and the request when it ends:
+        the requests whose prompts were counted since the last scrape are those finished
+        since plus the growth of those running. Counted by the finished alone, a worker
+        ramping up with long answers (seconds of decode) read a fifth of its figure for
+        tens of seconds, and its index forgot most of what its cache held."""
         if tokens is None or done is None:
             return self.figure  # the sends and the counters' deltas wait for the next one
-        last_t, last_d = self.tokens_seen, self.done_seen
+        last_t, last_d, last_r = self.tokens_seen, self.done_seen, self.running_seen
         back = self.went_back(tokens, done)
         sent, sent_bytes = self.sent, self.sent_bytes
         self.sent = self.sent_bytes = 0
-        self.tokens_seen, self.done_seen = tokens, done
+        self.tokens_seen, self.done_seen, self.running_seen = tokens, done, running
         if last_t is None or last_d is None:
             return self.figure
         if back:  # restarted: its counters start over
             self.sends = self.bytes = self.requests = self.tokens = self.figure = 0.0
             return 0.0
+        started = done - last_d
+        if running is not None and last_r is not None:
+            started = max(0.0, started + running - last_r)
         self.sends = self.sends * decay + sent
         self.bytes = self.bytes * decay + sent_bytes
-        self.requests = self.requests * decay + (done - last_d)
+        self.requests = self.requests * decay + started
         self.tokens = self.tokens * decay + (tokens - last_t)
         least = TOKEN_BYTES_MIN_REQUESTS
         # Fewer than one token a request, or a sum decayed to nothing: no figure from it.
@@ -139,7 +153,9 @@ class KvEvidence:
         if restarted:  # another engine now: what was learned was the old one's
             self.most, worker.kv_binds = 0.0, False
             self.token_bytes = TokenBytes()
-        worker.token_bytes = self.token_bytes.fold(stats.prompt_tokens, stats.requests_done, decay)
+        worker.token_bytes = self.token_bytes.fold(
+            stats.prompt_tokens, stats.requests_done, decay, stats.running
+        )
         if self.sent > self.peak:
             self.peak = self.sent
         self.sent = 0

@@ -46,8 +46,9 @@ BYTES_PER_TOKEN = 16
 # documents and histories it had evicted, so their conversations, new ones too, kept
 # going there (with a holder's looser load bound) to prefill them again, each copy
 # evicting the next (docchat: docs/benchmarks.md "The index sized at the measured bytes
-# per token"). The other error, forgetting what the worker holds, stays small at the
-# measured figure: the worker keeps about what fits.
+# per token"). The other error, forgetting what the worker still holds, is the smaller at
+# the measured figure (the cache keeps about what fits), if the figure is right: other
+# senders' longer prompts, or requests vLLM aborts without counting them, read it low.
 MIN_BYTES_PER_TOKEN = 2.0
 # Blocks remembered per worker that reports no cache size: 16384 x 1 KiB = 16 MiB of
 # prompt text, 1-4M tokens; larger than most workers' KV cache, so a worker that does not
