@@ -14,7 +14,7 @@ are counted (`Worker.kv_free`); `has_kv_room` reads them for placement
 (its counters go back, or its cache has another size): a new engine is learned anew.
 
 Bytes per token (`TokenBytes`, `Worker.token_bytes`): the mean body this process sends the
-worker over the mean prompt its own counters say it processed per request it finished
+worker over the mean prompt its own counters say it processed per request started
 (`vllm:prompt_tokens_total` over `vllm:request_success_total` plus the growth of
 `vllm:num_requests_running`: vLLM counts a prompt when its prefill runs, the request when
 it ends), both as sums halving every
