@@ -70,6 +70,7 @@ async def test_one_json_line_per_finished_request(fake_worker, gateway, client, 
     assert first["status"] == 200 and first["outcome"] == "ok" and first["stream"] is False
     assert first["bytes"] > 0 and 0 < first["ttfb"] <= first["duration"]
     assert first["waited"] == 0.0  # a worker had room: no time in the admission queue
+    assert first["placed"] == "only"  # cache_aware (the default), one worker to choose from
     assert first["level"] == "info" and first["timestamp"].endswith("Z")
     assert streamed["stream"] is True and streamed["outcome"] == "ok"
     # Three tokens at 20 ms: the answer ends well after its first byte.

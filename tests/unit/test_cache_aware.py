@@ -12,7 +12,7 @@ import pytest
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.policies import make_policy
-from vllm_gateway.dispatch.policies.cache_aware import CacheAware
+from vllm_gateway.dispatch.policies.cache_aware import PLACED, CacheAware
 from vllm_gateway.dispatch.prefix_hash import BLOCK_BYTES, KEY_BYTES, prefix_blocks
 from vllm_gateway.dispatch.prefix_index import DEFAULT_CAPACITY, PrefixIndex, capacity_of
 from vllm_gateway.dispatch.request_info import RequestInfo
@@ -775,6 +775,37 @@ def test_history_wins_over_the_rendezvous_home():
     assert moved is not home
     nxt = chat("q " * 300, long("a"), "q2 " * 300, long("a2"), "q3")
     assert p.select(ws, info(nxt)) is moved
+
+
+def test_placed_names_the_step_that_chose():
+    """`RequestInfo.placed` (the access log's `placed`) says which step chose the worker."""
+    ws = workers(4)
+    for w in ws:
+        w.capacity = 16.0
+    p = policy()
+
+    def placed(candidates: list[Worker], doc: dict) -> tuple[str, Worker]:
+        i = info(doc)
+        w = p.select(candidates, i)
+        assert w is not None and i.placed in PLACED
+        return i.placed, w
+
+    short = "Be brief."  # shorter than a block: nothing shared, placed by the key
+    step, home = placed(ws, chat("q " * 300, system=short))
+    assert step == "home"
+    assert placed(ws, chat("q " * 300, "answer", "next", system=short)) == ("history", home)
+    assert placed(ws[:1], chat("another", system=short)) == ("only", ws[0])
+    no_text = {"model": "m", "prompt": [1, 2, 3]}  # token ids: nothing to hash
+    assert placed(ws, no_text)[0] == "load"
+    # Four system prompts, a quarter of the traffic each: one planned worker each.
+    systems = [f"System {k}. " + long(f"s{k}", 1500) for k in range(4)]
+    for i in range(64):
+        assert placed(ws, chat(f"question {i}", system=systems[i % 4]))[0] == "preamble"
+    step, mine = placed(ws, chat("one more", system=systems[0]))
+    assert step == "preamble"
+    mine.inflight = 16  # past its bound: the preamble's next worker in its own order
+    step, other = placed(ws, chat("and another", system=systems[0]))
+    assert step == "overflow" and other is not mine
 
 
 @pytest.mark.parametrize(("slow_pace", "most"), [(1.0, 0.40), (0.5, 0.25)])

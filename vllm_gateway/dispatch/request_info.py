@@ -35,6 +35,7 @@ class RequestInfo:
         "headers",
         "model",
         "path",
+        "placed",
         "prefill",
         "request_id",
         "saved",
@@ -74,6 +75,9 @@ class RequestInfo:
         # hold and no worker with room does: what it would prefill again elsewhere (set
         # by cache_aware for a later turn's history; 0: none, or unknown).
         self.saved = 0
+        # How the policy chose the worker, for the access log (cache_aware's `PLACED`
+        # names; "" for the other policies).
+        self.placed = ""
 
     @property
     def session_key(self) -> str | None:

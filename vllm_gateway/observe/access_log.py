@@ -6,12 +6,13 @@ one line per attempt:
     {"request_id": "gw-3f2a-1c", "model": "llama", "path": "/v1/chat/completions",
      "stream": true, "worker": "http://10.0.0.5:8000", "status": 200, "outcome": "ok",
      "ttfb": 0.0412, "duration": 1.8731, "bytes": 5120, "waited": 0.0, "full": false,
-     "event": "request", ...}
+     "placed": "history", "event": "request", ...}
 
 `ttfb` and `duration` are seconds from dispatch (ttfb is null when no body byte was
 relayed), `waited` the seconds spent in the admission queue before it, `full` whether
 the worker was already full when it was sent (its capacity reached, or a queue reported:
-it waits inside the worker), `bytes` the
+it waits inside the worker), `placed` how the policy chose it (cache_aware's steps:
+`PLACED` in policies/cache_aware.py; null for the other policies), `bytes` the
 response body bytes relayed, `outcome` one of dispatch's outcomes (ok, client_gone,
 unreachable, refused, timeout, broken, shutdown). A request the gateway answered itself
 without a worker (400, 404, 413, 503, ...) is one line with `code` and outcome `rejected`.
@@ -54,6 +55,7 @@ class AccessLog:
                 "bytes": lease.bytes,
                 "waited": round(lease.waited, 6),
                 "full": lease.full,
+                "placed": info.placed or None,
             }
         )
 

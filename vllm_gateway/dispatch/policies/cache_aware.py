@@ -40,20 +40,12 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    a block or more past the system prompt, that is known (counted as a preamble among
    the recent requests, or in the index) stands for it.
 
-The load bound, per worker: `load + 1 <= ceil(fair + (load_bound - 1) x max(fair,
-capacity))`, where `fair` is its share of the total load (this request included) in
-proportion to its speed, pace x weight (pace: requests finished per second per running
-request, learned; a worker without one yet counts with the best pace), `capacity` what
-it runs at once (buckets.py; while unknown, `PROBE_START`, what the gate assumes) and
-load the load view (load.py). Near capacity this is the classic bound (`load_bound` x
-fair); lightly loaded, a worker may run a quarter of its capacity (for the default 1.25)
-above an even split before it sheds new conversations, since a few requests more matter
-nothing to a worker with room for many. A worker twice as fast may hold twice the
-requests. Rendezvous weighs by `weight` only (pace differs slightly between replicas;
-the order must not).
+The load bound, per worker, is `LoadView.fits` (load_view.py says it and why). Rendezvous
+weighs by `weight` only (pace differs slightly between replicas; the order must not).
 
 Requests without prompt text (token ids) go to the least expected wait, as with `queue`.
 Every request's blocks are recorded on the worker chosen, so its next turn finds them.
+The step that chose is `RequestInfo.placed` (the access log's), one of `PLACED`.
 """
 
 from __future__ import annotations
@@ -80,11 +72,15 @@ from vllm_gateway.workers import Worker
 # 1 + HISTORY_SLACK x (load_bound - 1) of its fair share (1.5 for the default 1.25):
 # elsewhere the whole history is prefilled again, so it tolerates more imbalance than a
 # new conversation, which costs the same anywhere; but still bounded, so a flood of
-# identical prompts spreads. A later turn of a conversation stays past it while its holder
-# has a batch slot free (`_holder_with_room`): there the saving is the whole history.
+# identical prompts spreads. A later turn of a conversation stays past it while a holder
+# has a batch slot free (`LoadView.least_loaded_with_room`): there the saving is the whole
+# history.
 HISTORY_SLACK = 2.0
 # Models whose preamble shares are kept (then they start over).
 MAX_MODELS = 1024
+# `RequestInfo.placed`, the step that chose (docs/dispatch.md, "cache_aware"): 1, 1a, 2 among
+# the preamble's workers, 2 past them, 2 by the key; one candidate; by load alone.
+PLACED = ("history", "back", "preamble", "overflow", "home", "only", "load")
 
 
 class CacheAware:
@@ -104,11 +100,13 @@ class CacheAware:
         self._holders: list[Worker] = []
         self._depth = 0
         self.shared = 0  # what the last request shared with many, as counted (`_shared`)
+        self._step = "preamble"  # which of `_preamble_home`'s choices it made last
 
     def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
         blocks = info.prefix_blocks()
         self._holders, self._depth = [], 0
         if blocks is None or not candidates:
+            info.placed = "load"
             return self._fallback.select(candidates, info)
         shares = self._shares_of(info.model)
         self.shared = preamble = self._shared(blocks, shares.counts)
@@ -117,6 +115,7 @@ class CacheAware:
         share = shares.add(preamble)
         if len(candidates) == 1:
             worker: Worker | None = candidates[0]
+            info.placed = "only"
             if info.stream:
                 self._holders, self._depth = self.index.deepest(blocks.blocks, candidates)
         else:
@@ -236,13 +235,12 @@ class CacheAware:
         self._holders, self._depth = holders, depth
         roomy = self._with_kv_room(candidates, blocks, preamble)
         if roomy is not candidates:
-            candidates = roomy
-            holders = [w for w in holders if w in roomy]
-            if not holders:
-                depth = 0
+            candidates, holders = roomy, [w for w in holders if w in roomy]
+            depth = depth if holders else 0
             self._holders, self._depth = holders, depth
         view = LoadView.of(candidates)
         if view is None:  # all of weight 0 (or nonsense): by load alone
+            info.placed = "load"
             return self._fallback.select(candidates, info)
         view.stretched = info.stretched
         if blocks.continued and view.owed:
@@ -252,31 +250,34 @@ class CacheAware:
             if blocks.continued and preamble:
                 best = self._back_home(view, blocks, preamble, share, shares, holders)
                 if best is not None:
+                    info.placed = "back"
                     return best
             # Few holders (a conversation's history is on one worker or two): a C scan each.
             among = [candidates.index(w) for w in holders]
             best = self._home(blocks.key, among, view, held)
             if best is None and blocks.continued:
-                best = self._holder_with_room(blocks.key, among, view)
+                best = view.least_loaded_with_room(among, lambda w: self._ranks.rank(blocks.key, w))
             if best is not None:
+                info.placed = "history"
                 return best
         # A worker that holds the preamble keeps new conversations within the history's
         # bound too: sent elsewhere, the preamble is prefilled again, as a history would be.
         extra = (self._bound - 1.0, held, preamble)
-        # A later turn this process has no history for: another replica (or a moment when
-        # its holders were full) placed its earlier turns, most likely on the first choice
-        # below, which every replica computes alike from the request; only the load
-        # bound, read from each replica's own in-flight view, differs between them. So
-        # there the bound gives way to the capacity gate, as it does for a known history.
+        # A later turn with no history known here: another replica (or a moment its holders
+        # were full) placed it, most likely on the first choice below, alike in every replica
+        # but for the load bound (each replica's own view): it gives way to the capacity gate.
         sticky = blocks.continued
         best = self._preamble_home(view, blocks, preamble, share, shares, extra, sticky)
+        step = self._step
         if best is None:
-            best = self._home(blocks.key, range(len(candidates)), view, extra, sticky)
+            best, step = self._home(blocks.key, range(len(candidates)), view, extra, sticky), "home"
         if best is not None:
+            info.placed = step
             return best
         # Nobody within the bound (only where a figure is not finite): by load alone.
         if congested := view.congested:
             candidates = [w for j, w in enumerate(candidates) if j not in congested]
+        info.placed = "load"
         return self._fallback.select(candidates, info)
 
     def _with_kv_room(
@@ -329,8 +330,8 @@ class CacheAware:
         extra: tuple[float, float, int],
         sticky: bool = False,
     ) -> Worker | None:
-        """A new conversation among the workers its preamble needs, or its overflow worker;
-        None when the preamble needs every worker. `sticky`: see `_home`."""
+        """A new conversation among the workers its preamble needs, or its overflow worker
+        (`_step` says which); None when it needs every worker. `sticky`: see `_home`."""
         candidates, key = view.candidates, blocks.key
         n = len(candidates)
         ranks_for = self._ranks.cached
@@ -355,13 +356,28 @@ class CacheAware:
             planned = order[:want]
         best = self._home(key, planned, view, extra, sticky)
         if best is not None:
+            self._step = "preamble"
             return best
-        # All of them past the bound: the preamble's next worker in its own order that
-        # has room, so its overflow lands where its earlier overflow went (and every
-        # replica sends it to the same one), not wherever each conversation's key says.
+        return self._overflow(view, blocks, preamble, planned, order, extra)
+
+    def _overflow(
+        self,
+        view: LoadView,
+        blocks: PrefixBlocks,
+        preamble: int,
+        planned: list[int],
+        order: list[int] | None,
+        extra: tuple[float, float, int],
+    ) -> Worker | None:
+        """A new conversation whose preamble's workers (`planned`) are all past the bound:
+        the preamble's next worker in its own `order` (None: not sorted yet) with room, so
+        its overflow lands where its earlier overflow went (alike in every replica), not
+        wherever each conversation's key says. `_step` says which it chose."""
+        candidates = view.candidates
+        self._step = "overflow"
         if order is None:
-            ranks = ranks_for(preamble, candidates)
-            order = sorted(range(n), key=ranks.__getitem__)
+            ranks = self._ranks.cached(preamble, candidates)
+            order = sorted(range(len(candidates)), key=ranks.__getitem__)
         congested = view.congested or ()
         need, full = blocks.shared_end(preamble), False  # what a worker without it prefills
         for j in order:
@@ -378,6 +394,7 @@ class CacheAware:
         # there, and hold up those behind it. The least loaded of its own takes it instead.
         loads, speeds = view.loads, view.speeds
         fast = [j for j in planned if speeds[j] > 0 and j not in congested]
+        self._step = "preamble"
         return candidates[min(fast, key=lambda j: loads[j] / speeds[j])] if fast else None
 
     def _home(
@@ -422,23 +439,6 @@ class CacheAware:
             view.congested = congested_of(
                 candidates, speeds, size, lambda j: self._uncached(candidates[j], blocks, preamble)
             )
-
-    def _holder_with_room(self, key: int, among: list[int], view: LoadView) -> Worker | None:
-        """A later turn whose holders are all past the history bound: the least loaded
-        (per unit of speed) of those with a batch slot free (`LoadView.has_room`), ties in the
-        key's rendezvous order; there the turn prefills only what it adds, where anywhere
-        else it would prefill its whole history again. None when none has room."""
-        best: Worker | None = None
-        best_at = (math.inf, math.inf)
-        congested = view.congested or ()
-        for j in among:
-            speed = view.speeds[j]
-            if speed > 0 and view.has_room(j) and j not in congested:
-                w = view.candidates[j]
-                at = (view.loads[j] / speed, self._ranks.rank(key, w))
-                if at < best_at:
-                    best, best_at = w, at
-        return best
 
     def _slack(
         self, j: int, candidates: Sequence[Worker], extra: tuple[float, float, int]

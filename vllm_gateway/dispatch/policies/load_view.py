@@ -1,9 +1,21 @@
-"""One request's candidates with their loads and speeds: who fits one more (cache_aware)."""
+"""One request's candidates with their loads and speeds: who fits one more (cache_aware).
+
+The load bound (`fits`), per worker: `load + 1 <= ceil(fair + (load_bound - 1) x max(fair,
+capacity))`, where `fair` is its share of the total load (this request included) in
+proportion to its speed, pace x weight (pace: requests finished per second per running
+request, learned; a worker without one yet counts with the best pace), `capacity` what
+it runs at once (buckets.py; while unknown, `PROBE_START`, what the gate assumes) and
+load the load view (load.py). Near capacity this is the classic bound (`load_bound` x
+fair); lightly loaded, a worker may run a quarter of its capacity (for the default 1.25)
+above an even split before it sheds new conversations, since a few requests more matter
+nothing to a worker with room for many. A worker twice as fast may hold twice the
+requests.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from vllm_gateway.dispatch.buckets import PROBE_START
 from vllm_gateway.dispatch.load import load
@@ -102,3 +114,23 @@ class LoadView:
         capacity = w.max_num_seqs or w.capacity
         inflight = w.inflight
         return bool(capacity) and (inflight == 0 or inflight + w.others < capacity)
+
+    def least_loaded_with_room(
+        self, among: Sequence[int], rank: Callable[[Worker], float]
+    ) -> Worker | None:
+        """Of the candidates at indexes `among`, the least loaded per unit of speed with a
+        batch slot free (`has_room`), not congested, ties by `rank` (lower first); None
+        when none has room. cache_aware sends a later turn whose holders are all past the
+        history bound there: it prefills only what it adds, where anywhere else it would
+        prefill its whole history again."""
+        best: Worker | None = None
+        best_at = (math.inf, math.inf)
+        congested = self.congested or ()
+        for j in among:
+            speed = self.speeds[j]
+            if speed > 0 and self.has_room(j) and j not in congested:
+                w = self.candidates[j]
+                at = (self.loads[j] / speed, rank(w))
+                if at < best_at:
+                    best, best_at = w, at
+        return best
