@@ -803,9 +803,17 @@ def test_placed_names_the_step_that_chose():
         assert placed(ws, chat(f"question {i}", system=systems[i % 4]))[0] == "preamble"
     step, mine = placed(ws, chat("one more", system=systems[0]))
     assert step == "preamble"
+    # Its next turn, short past the system prompt, on the planned worker that has it.
+    assert placed(ws, chat("one more", "answer", "next", system=systems[0])) == ("history", mine)
     mine.inflight = 16  # past its bound: the preamble's next worker in its own order
     step, other = placed(ws, chat("and another", system=systems[0]))
     assert step == "overflow" and other is not mine
+    mine.inflight = 0
+    assert placed(ws, chat("a third", system=systems[0])) == ("preamble", mine)
+    # A stray: its first turn where the plan does not put its system prompt (the planned
+    # worker was full), its next turn back to the planned worker.
+    placed([w for w in ws if w is not mine], chat("a stray", system=systems[0]))
+    assert placed(ws, chat("a stray", "answer", "next", system=systems[0])) == ("back", mine)
 
 
 @pytest.mark.parametrize(("slow_pace", "most"), [(1.0, 0.40), (0.5, 0.25)])

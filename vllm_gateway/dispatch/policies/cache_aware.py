@@ -250,7 +250,7 @@ class CacheAware:
             if blocks.continued and preamble:
                 best = self._back_home(view, blocks, preamble, share, shares, holders)
                 if best is not None:
-                    info.placed = "back"
+                    info.placed = self._step
                     return best
             # Few holders (a conversation's history is on one worker or two): a C scan each.
             among = [candidates.index(w) for w in holders]
@@ -303,8 +303,8 @@ class CacheAware:
         holders: list[Worker],
     ) -> Worker | None:
         """A later turn whose history strayed from its preamble's planned workers, shorter
-        past the preamble than the preamble: back to one within its fair share, rather than
-        the preamble held by the stray for the conversation's life (docs/dispatch.md)."""
+        past the preamble than the preamble: back to one within its fair share (`_step`
+        back; history when back already), not the stray's copy kept for good (dispatch.md)."""
         end = blocks.shared_end(preamble)
         if blocks.size - end >= end:
             return None
@@ -313,11 +313,13 @@ class CacheAware:
         if urls is not None and any(w.url in urls for w in holders):
             # Back already, and the stray holds as much: not by the key's order.
             kept = [candidates.index(w) for w in holders if w.url in urls]
+            self._step = "history"
             return self._home(blocks.key, kept, view, HISTORY_SLACK * (self._bound - 1.0))
         planned = plan.among(
             preamble, share, shares.samples, candidates, shares.counts, self._ranks.cached
         )
         # Within its fair share: past it, the preamble needs more workers than planned.
+        self._step = "back"
         return None if planned is None else self._home(blocks.key, planned, view, 0.0)
 
     def _preamble_home(
