@@ -9,9 +9,10 @@ alternating between them), plays the family's conversations from this process, a
 everything. Per family and system it reports TTFT p50/p99, end-to-end p99, throughput
 (measured turns completed / time from the first one due to the last one done), errors,
 and the workers' prefix-cache hit rate (hits / queries, from the increase of their
-/metrics counters over the measured window). Every figure is the median over --runs
-runs; systems take turns within a run, and every system sees the same conversations in a
-run (same seed).
+/metrics counters over the measured window); with --placements, how the gateway placed
+the run's requests (its access log's `placed`, counted: benchmarks/placements.py).
+Every figure is the median over --runs runs; systems take turns within a run, and every
+system sees the same conversations in a run (same seed).
 
 Run it with scripts/bench_dispatch (see docs/benchmarks.md).
 """
@@ -32,12 +33,15 @@ from benchmarks import dispatch_report as report
 from benchmarks.cache_stats import cache_counters, hit_rate, per_worker, total
 from benchmarks.families import FAMILIES, Family, Sizes
 from benchmarks.machine import cpu_ticks, idle_since, wait_quiet
+from benchmarks.placements import brief as placed_brief
+from benchmarks.placements import of_files
 from benchmarks.router import INSTALL_HINT, find_router
 from benchmarks.systems import (
     GATEWAY,
     ROUTER,
     System,
     default_policy,
+    gateway_logs,
     kind_of,
     start_system,
     start_workers,
@@ -103,17 +107,21 @@ def measure(family: Family, system: System, seed: int, args: argparse.Namespace,
     wait_quiet(args.min_idle, args.quiet_wait)
     worker_procs, workers = start_workers(worker_specs(family, args))
     procs = list(worker_procs)
+    logged = args.placements and system.kind == GATEWAY
     try:
         system_procs, urls = start_system(
-            system, workers, args.replicas, router_bin, args.gateway_processes
+            system, workers, args.replicas, router_bin, args.gateway_processes, logged
         )
         procs += system_procs
         start = cpu_ticks()
         with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop, as the gateway
             result = runner.run(drive(family, urls, workers, seed, args))
-        return result | {"cpu_idle": idle_since(start)}
+        result |= {"cpu_idle": idle_since(start)}
     finally:
         stop(procs)
+    if logged:  # read once the gateways have stopped: every line written
+        result["placed"] = placed_brief(of_files(gateway_logs(system.policy, args.replicas)))
+    return result
 
 
 def systems(args: argparse.Namespace, router_bin: str | None) -> list[System]:
@@ -164,6 +172,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--quiet-wait", type=float, default=30.0,
                     help="... but at most this many seconds")  # fmt: skip
     ap.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
+    ap.add_argument("--placements", action="store_true",
+                    help="gateway access log on; print how it placed each run's requests "
+                         "(placed=history:N/home:N/...;waited:N)")  # fmt: skip
     ap.add_argument("--from-json", metavar="PATH",
                     help="report a bench-out/dispatch-families-r<N>.json again")  # fmt: skip
     return ap.parse_args()

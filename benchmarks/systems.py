@@ -63,11 +63,17 @@ def start_workers(specs: Sequence[WorkerSpec]) -> tuple[list[Proc], list[str]]:
 
 
 def start_system(
-    system: System, workers: list[str], replicas: int, router_bin: str | None, processes: int = 1
+    system: System,
+    workers: list[str],
+    replicas: int,
+    router_bin: str | None,
+    processes: int = 1,
+    access_log: bool = False,
 ) -> tuple[list[Proc], list[str]]:
     """Start `replicas` of `system` in front of `workers`: procs and entry URLs. The
     gateway runs as `serve --processes processes` (vllm-router as it is: one process
-    using every core)."""
+    using every core), with its access log into its log file if `access_log`
+    (`gateway_logs` names the files)."""
     procs: list[Proc] = []
     urls: list[str] = []
     try:
@@ -77,7 +83,7 @@ def start_system(
                 name = f"dispatch-router-{system.policy}-{r}"
                 proc, url = start_router(router_bin, workers, ["--policy", system.policy], name)
             else:
-                proc, url = _start_gateway(system.policy, workers, r, processes)
+                proc, url = _start_gateway(system.policy, workers, r, processes, access_log)
             procs.append(proc)
             urls.append(url)
     except Exception:
@@ -86,8 +92,13 @@ def start_system(
     return procs, urls
 
 
+def gateway_logs(policy: str, replicas: int) -> list[Path]:
+    """The log files of a gateway system's replicas (each replica's processes share one)."""
+    return [OUT / f"dispatch-gateway-{policy}-{r}.log" for r in range(replicas)]
+
+
 def _start_gateway(
-    policy: str, workers: list[str], replica: int, processes: int = 1
+    policy: str, workers: list[str], replica: int, processes: int = 1, access_log: bool = False
 ) -> tuple[Proc, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm_gateway", "serve", "--port", str(port)]
@@ -96,7 +107,9 @@ def _start_gateway(
     cmd += ["--policy", policy, "--log-level", "warning", "--log-format", "json"]
     for url in workers:
         cmd += ["--worker", url]
-    log = str(OUT / f"dispatch-gateway-{policy}-{replica}.log")
+    if access_log:
+        cmd.append("--access-log")
+    log = str(gateway_logs(policy, replica + 1)[replica])
     proc = Proc(f"gateway-{policy}-{replica}", cmd, log, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", 30, proc)

@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.cache_stats import _SAMPLE, hit_rate, per_worker, total
 from benchmarks.dispatch_report import doc_key
+from benchmarks.placements import brief, count
 from benchmarks.families import (
     AGENT_SESSIONS,
     CHAT_DOCS,
@@ -148,3 +149,24 @@ def test_the_hit_rate_is_read_per_worker_and_for_the_fleet():
     rates = per_worker(before, after)
     assert rates[0] == {"queried": 200.0, "hit_rate": 0.25}
     assert rates[1]["queried"] == 0.0 and rates[1]["hit_rate"] != rates[1]["hit_rate"]  # NaN
+
+
+def test_placements_count_the_access_log_lines_of_requests_that_reached_a_worker() -> None:
+    """--placements: each finished request's `placed`, and how many waited in the gateway;
+    other log lines (refusals, startup text, broken JSON) do not count."""
+    line = '{"event": "request", "worker": "http://w", "placed": "%s", "waited": %s}'
+    lines = [
+        "fake worker listening on http://127.0.0.1:1",
+        line % ("history", 0.0),
+        line % ("history", 0.25),
+        line % ("home", 0.0),
+        '{"event": "request", "status": 404, "code": "model_not_found", "outcome": "rejected"}',
+        '{"event": "request", "worker": "http://w", "placed": null, "waited": 0.0}',
+        '{"event": "scrape failed", "worker": "http://w"}',
+        '{"event": "request", "worker": ',
+        "[1, 2]",
+    ]
+    counts = count(lines)
+    assert counts == {"history": 2, "home": 1, "None": 1, "waited": 1}
+    assert brief(counts) == "history:2/home:1/None:1;waited:1"
+    assert brief(count([])) == "none;waited:0"
