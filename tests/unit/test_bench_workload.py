@@ -8,7 +8,6 @@ import pytest
 
 from benchmarks.cache_stats import _SAMPLE, hit_rate, per_worker, total
 from benchmarks.dispatch_report import doc_key
-from benchmarks.placements import brief, count
 from benchmarks.families import (
     AGENT_SESSIONS,
     CHAT_DOCS,
@@ -21,6 +20,7 @@ from benchmarks.families import (
     longchat,
     multiturn,
 )
+from benchmarks.placements import brief, count
 from benchmarks.workload import WorkerSpec, bursts, poisson
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
 
