@@ -470,10 +470,38 @@ def test_a_queue_frozen_on_the_page_earns_one_token_at_a_time():
     finish(w, b)
     report(registry, w, running=250, waiting=6, at=FROZEN_AFTER + 0.5)
     assert not b.has_token(w)  # the still period starts over
-    report(registry, w, running=250, waiting=7, at=2 * FROZEN_AFTER + 0.5)
-    assert not b.has_token(w)  # it moved: not frozen
-    report(registry, w, running=250, waiting=7, at=3 * FROZEN_AFTER + 0.5)
+    report(registry, w, running=250, waiting=6, at=2 * FROZEN_AFTER)
+    assert not b.has_token(w)
+    report(registry, w, running=250, waiting=6, at=2 * FROZEN_AFTER + 0.5)
     assert b.has_token(w)
+
+
+def test_a_process_with_nothing_on_a_worker_others_keep_queued_gets_one_request_a_period():
+    """Another replica (or sibling process, or direct client) keeps a worker's queue up
+    (a KV cache that binds: its page shows a queue at every scrape, never the same).
+    This process, with nothing in flight there, earns nothing from finishes: before, it
+    held requests for the worker 8-13 s (docchat --kv-wait behind two replicas). Now a
+    queue shown for FROZEN_AFTER with none of ours there earns one token, moving or not;
+    that request's end earns as any finish does."""
+    registry, w, b = setup()
+    at = 0.0
+    tokens_at = []
+    while at <= 3 * FROZEN_AFTER:
+        waiting = 1 + int(at * 4) % 3  # others' requests come and go: the page moves
+        report(registry, w, running=3 + waiting, waiting=waiting, at=at)
+        if b.has_token(w):
+            tokens_at.append(at)
+            send(w, b)
+            report(registry, w, running=3 + waiting, waiting=waiting, at=at + 0.1)
+            assert not b.has_token(w)  # one of ours there: it waits for that one
+            finish(w, b)
+            at += 0.1
+        at += 0.25
+    # The first after one period of queue, the next a period after ours ended (not one a
+    # scrape): 2.0 and 4.6 s here.
+    assert len(tokens_at) == 2, tokens_at
+    assert tokens_at[0] >= FROZEN_AFTER
+    assert tokens_at[1] - tokens_at[0] >= FROZEN_AFTER
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,9 @@ admission queue. Tokens come from three sources (docs/dispatch.md has the figure
   the bucket is open (no limit, full speed) while the worker reports an empty waiting
   queue, and empty once it reports one. A worker reporting `stop_waiting` requests
   waiting gets nothing new until its queue shrinks (or stays still: next).
-- A queue on its page that has not moved for `FROZEN_AFTER` seconds, while this process
-  had nothing in flight there, earns one token (still_queue.py).
+- A queue on its page for `FROZEN_AFTER` seconds, while this process had nothing in
+  flight there (a frozen page, or other senders keeping it up), earns one token
+  (still_queue.py).
 - Each request the worker finishes earns `gain = 1 - waiting / stop_waiting` tokens
   (waiting as last reported): one per finish, a freed batch slot, while its queue is
   empty; fewer as its queue grows, so it drains; none above the threshold. A worker twice
@@ -298,7 +299,7 @@ class Buckets:
     ) -> None:
         b.waiting = waiting
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
-        frozen = b.still.frozen(running, waiting, worker.inflight, at)
+        frozen = b.still.frozen(waiting, worker.inflight, at)
         if waiting > 0:
             if b.kv.bound(worker.stats):
                 self._kv_queued(b, at)
