@@ -501,7 +501,23 @@ def test_a_process_with_nothing_on_a_worker_others_keep_queued_gets_one_request_
     # scrape): 2.0 and 4.6 s here.
     assert len(tokens_at) == 2, tokens_at
     assert tokens_at[0] >= FROZEN_AFTER
-    assert tokens_at[1] - tokens_at[0] >= FROZEN_AFTER
+    assert tokens_at[1] >= tokens_at[0] + 0.1 + FROZEN_AFTER  # a period after ours ended
+
+
+def test_a_stopped_worker_others_keep_queued_gets_nothing_unless_its_page_stands_still():
+    """A queue at stop_waiting or more that others keep moving is no turn of ours: the
+    worker stays stopped for this process, as before; a page that stands still still
+    earns one (the abort storm)."""
+    registry, w, b = setup(stop_waiting=8)
+    for i in range(4 * int(FROZEN_AFTER / 0.25)):
+        report(registry, w, running=10, waiting=8 + i % 3, at=i * 0.25)  # moving
+        assert not b.has_token(w)
+    at = 4 * FROZEN_AFTER
+    report(registry, w, running=10, waiting=9, at=at)
+    report(registry, w, running=10, waiting=9, at=at + FROZEN_AFTER / 2)
+    assert not b.has_token(w)
+    report(registry, w, running=10, waiting=9, at=at + FROZEN_AFTER)
+    assert b.has_token(w)  # stood still a period: frozen
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ admission queue. Tokens come from three sources (docs/dispatch.md has the figure
   queue, and empty once it reports one. A worker reporting `stop_waiting` requests
   waiting gets nothing new until its queue shrinks (or stays still: next).
 - A queue on its page for `FROZEN_AFTER` seconds, while this process had nothing in
-  flight there (a frozen page, or other senders keeping it up), earns one token
-  (still_queue.py).
+  flight there (a frozen page, or other senders keeping it up; a stopped worker's only
+  when it stood still), earns one token (still_queue.py).
 - Each request the worker finishes earns `gain = 1 - waiting / stop_waiting` tokens
   (waiting as last reported): one per finish, a freed batch slot, while its queue is
   empty; fewer as its queue grows, so it drains; none above the threshold. A worker twice
@@ -299,7 +299,7 @@ class Buckets:
     ) -> None:
         b.waiting = waiting
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
-        frozen = b.still.frozen(waiting, worker.inflight, at)
+        frozen = b.still.frozen(running, waiting, worker.inflight, at, b.gain <= 0.0)
         if waiting > 0:
             if b.kv.bound(worker.stats):
                 self._kv_queued(b, at)

@@ -15,10 +15,12 @@ queue stays, in two cases:
   sent at last, their first bytes came in 30 ms.
 
 So a queue shown for `FROZEN_AFTER` seconds while this process had nothing in flight
-there earns the worker one token, once per such period, whether the page moved or not:
-that request makes a frozen engine step, or takes this process's turn in a queue others
-keep up (its end then earns tokens as any finish does), or, if the queue is real and
-stuck, waits in it alone.
+there (at every scrape) earns the worker one token, once per such period, whether the page
+moved or not: that request makes a frozen engine step, or takes this process's turn in a
+queue others keep up (with the queue still shown, its end earns less than a token, and
+the next comes a period after it ended), or, if the queue is real and stuck, waits in it
+alone. A stopped worker (`stop_waiting` or more waiting) earns it only from a page that
+stood still, as before: a deep queue that others keep up is no turn of ours.
 """
 
 from __future__ import annotations
@@ -31,17 +33,27 @@ FROZEN_AFTER = 2.0
 class StillQueue:
     """For one worker: since when its page has shown a queue with none of ours there."""
 
-    __slots__ = ("since",)
+    __slots__ = ("page", "since")
 
     def __init__(self) -> None:
+        self.page = (0.0, 0.0)  # running and waiting as last reported
         self.since: float | None = None  # EngineStats.at of the first such report
 
-    def frozen(self, waiting: float, inflight: int, at: float) -> bool:
-        """A new report (at `at`, `waiting` queued, this process with `inflight` there):
-        whether it has shown a queue for `FROZEN_AFTER` seconds, none of ours there all
-        along, moving or not. True at most once per period: it starts over."""
-        if waiting <= 0 or inflight or self.since is None:
-            self.since = None if waiting <= 0 or inflight else at
+    def frozen(
+        self, running: float, waiting: float, inflight: int, at: float, stopped: bool
+    ) -> bool:
+        """A new report (at `at`, this process with `inflight` there): whether it has shown
+        a queue for `FROZEN_AFTER` seconds, none of ours there at any report, moving or
+        not; but a `stopped` worker's (its queue at `stop_waiting` or more) only if it has
+        not moved: others keeping a deep queue up is no turn of ours. True at most once per
+        period: it starts over."""
+        page = (running, waiting)
+        moved, self.page = page != self.page, page
+        if waiting <= 0 or inflight:
+            self.since = None
+            return False
+        if self.since is None or (stopped and moved):
+            self.since = at
             return False
         if at - self.since < FROZEN_AFTER:
             return False
