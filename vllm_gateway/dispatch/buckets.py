@@ -10,9 +10,8 @@ admission queue. Tokens come from three sources (docs/dispatch.md has the figure
   the bucket is open (no limit, full speed) while the worker reports an empty waiting
   queue, and empty once it reports one. A worker reporting `stop_waiting` requests
   waiting gets nothing new until its queue shrinks (or stays still: next).
-- A queue on its page for `FROZEN_AFTER` seconds, while this process had nothing in
-  flight there (a frozen page, or other senders keeping it up; a stopped worker's only
-  when it stood still), earns one token (still_queue.py).
+- A queue on its page for `FROZEN_AFTER` seconds with none of ours there (frozen, or kept
+  up by others; a stopped worker's only if still) earns one token (still_queue.py).
 - Each request the worker finishes earns `gain = 1 - waiting / stop_waiting` tokens
   (waiting as last reported): one per finish, a freed batch slot, while its queue is
   empty; fewer as its queue grows, so it drains; none above the threshold. A worker twice
