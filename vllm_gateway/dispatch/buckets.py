@@ -298,7 +298,7 @@ class Buckets:
     ) -> None:
         b.waiting = waiting
         b.gain = max(0.0, 1.0 - waiting / self.stop_waiting)
-        frozen = b.still.frozen(running, waiting, worker.inflight, at, b.gain <= 0.0)
+        due = b.still.due(running, waiting, worker.inflight, at, b.gain <= 0.0)
         if waiting > 0:
             if b.kv.bound(worker.stats):
                 self._kv_queued(b, at)
@@ -334,7 +334,7 @@ class Buckets:
         else:  # queueing, capacity not known yet: only what finishing requests earn
             b.tokens = min(b.tokens, 0.0)
             b.limit = max(1.0, running)
-        if frozen:
+        if due:  # a queue with none of ours there for a period: our turn (still_queue.py)
             b.tokens = max(b.tokens, 1.0)
 
     def _slow_start(self, worker: Worker, b: TokenBucket, running: float) -> None:

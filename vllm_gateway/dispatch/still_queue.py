@@ -39,14 +39,12 @@ class StillQueue:
         self.page = (0.0, 0.0)  # running and waiting as last reported
         self.since: float | None = None  # EngineStats.at of the first such report
 
-    def frozen(
-        self, running: float, waiting: float, inflight: int, at: float, stopped: bool
-    ) -> bool:
-        """A new report (at `at`, this process with `inflight` there): whether it has shown
-        a queue for `FROZEN_AFTER` seconds, none of ours there at any report, moving or
-        not; but a `stopped` worker's (its queue at `stop_waiting` or more) only if it has
-        not moved: others keeping a deep queue up is no turn of ours. True at most once per
-        period: it starts over."""
+    def due(self, running: float, waiting: float, inflight: int, at: float, stopped: bool) -> bool:
+        """A new report (at `at`, this process with `inflight` there): whether a token is
+        due, the page having shown a queue for `FROZEN_AFTER` seconds, none of ours there
+        at any report, moving or not; but a `stopped` worker's (its queue at `stop_waiting`
+        or more) only if it has not moved: others keeping a deep queue up is no turn of
+        ours. True at most once per period: it starts over."""
         page = (running, waiting)
         moved, self.page = page != self.page, page
         if waiting <= 0 or inflight:
