@@ -10,7 +10,8 @@ everything. Per family and system it reports TTFT p50/p99, end-to-end p99, throu
 (measured turns completed / time from the first one due to the last one done), errors,
 and the workers' prefix-cache hit rate (hits / queries, from the increase of their
 /metrics counters over the measured window); with --placements, how the gateway placed
-the run's requests (its access log's `placed`, counted: benchmarks/placements.py).
+the run's requests (its access log's `placed`, counted: benchmarks/placements.py) and the
+tokens the workers prefilled for each step (their request logs, joined on request id).
 Every figure is the median over --runs runs; systems take turns within a run, and every
 system sees the same conversations in a run (same seed).
 
@@ -34,7 +35,7 @@ from benchmarks.cache_stats import cache_counters, hit_rate, per_worker, total
 from benchmarks.families import FAMILIES, Family, Sizes
 from benchmarks.machine import cpu_ticks, idle_since, wait_quiet
 from benchmarks.placements import brief as placed_brief
-from benchmarks.placements import of_files
+from benchmarks.placements import of_files, prefill_brief, prefill_of_files
 from benchmarks.router import INSTALL_HINT, find_router
 from benchmarks.systems import (
     GATEWAY,
@@ -46,6 +47,7 @@ from benchmarks.systems import (
     start_system,
     start_workers,
     stop,
+    worker_logs,
 )
 from benchmarks.traffic import Played, play
 from benchmarks.workload import WorkerSpec
@@ -105,9 +107,9 @@ def measure(family: Family, system: System, seed: int, args: argparse.Namespace,
             router_bin: str | None) -> dict:  # fmt: skip
     """One measurement: fresh workers, the system in front, the family's load; all stopped."""
     wait_quiet(args.min_idle, args.quiet_wait)
-    worker_procs, workers = start_workers(worker_specs(family, args))
-    procs = list(worker_procs)
     logged = args.placements and system.kind == GATEWAY
+    worker_procs, workers = start_workers(worker_specs(family, args), logged)
+    procs = list(worker_procs)
     try:
         system_procs, urls = start_system(
             system, workers, args.replicas, router_bin, args.gateway_processes, logged
@@ -120,7 +122,10 @@ def measure(family: Family, system: System, seed: int, args: argparse.Namespace,
     finally:
         stop(procs)
     if logged:  # read once the gateways have stopped: every line written
-        result["placed"] = placed_brief(of_files(gateway_logs(system.policy, args.replicas)))
+        gateways = gateway_logs(system.policy, args.replicas)
+        result["placed"] = placed_brief(of_files(gateways))
+        tokens = prefill_of_files(gateways, worker_logs(len(workers)))
+        result["prefill"] = prefill_brief(tokens)
     return result
 
 
@@ -174,7 +179,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--no-doc", action="store_true", help="do not update docs/benchmarks.md")
     ap.add_argument("--placements", action="store_true",
                     help="gateway access log on; print how it placed each run's requests "
-                         "(placed=history:N/home:N/...;waited:N)")  # fmt: skip
+                         "(placed=history:N/home:N/...;waited:N) and the tokens the workers "
+                         "prefilled for each (prefill=history:N/...)")  # fmt: skip
     ap.add_argument("--from-json", metavar="PATH",
                     help="report a bench-out/dispatch-families-r<N>.json again")  # fmt: skip
     return ap.parse_args()

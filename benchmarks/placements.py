@@ -4,6 +4,12 @@
 per finished request, into the gateway's log file) and counts the lines' `placed` values
 (cache_aware's steps: history, back, preamble, overflow, home, only, load; docs/dispatch.md)
 and how many waited in the gateway. Warm-up requests count too: the log has no phases.
+
+It also starts the fake workers with `--log-requests` (a JSON line per request as its
+prefill starts, with its uncached tokens) and joins the two logs on the request id: the
+tokens the workers prefilled, by the step that placed each request (`prefill`), which
+says which decisions cost the fleet its prefills (a document copied into one more cache
+is 2000 tokens on docchat; a turn on its history's worker a few dozen).
 """
 
 from __future__ import annotations
@@ -14,10 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 
-def count(lines: Iterable[str]) -> Counter[str]:
-    """`placed` values of the access log lines among `lines` (others are skipped), and
-    `waited`: the lines whose request waited in the admission queue."""
-    out: Counter[str] = Counter()
+def _entries(lines: Iterable[str], event: str) -> Iterable[dict[str, object]]:
+    """The JSON objects among `lines` whose event is `event` (other lines are skipped)."""
     for line in lines:
         if not line.startswith("{"):
             continue
@@ -25,25 +29,65 @@ def count(lines: Iterable[str]) -> Counter[str]:
             entry = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(entry, dict) or entry.get("event") != "request" or "worker" not in entry:
-            continue
-        out[str(entry.get("placed"))] += 1
-        if entry.get("waited"):
-            out["waited"] += 1
+        if isinstance(entry, dict) and entry.get("event") == event:
+            yield entry
+
+
+def _lines(paths: Iterable[Path]) -> list[str]:
+    out: list[str] = []
+    for path in paths:
+        if path.exists():
+            with path.open(errors="replace") as f:
+                out += f.readlines()
+    return out
+
+
+def count(lines: Iterable[str]) -> Counter[str]:
+    """`placed` values of the access log lines among `lines` (others are skipped), and
+    `waited`: the lines whose request waited in the admission queue."""
+    out: Counter[str] = Counter()
+    for entry in _entries(lines, "request"):
+        if "worker" in entry:  # (a refusal's line names no worker)
+            out[str(entry.get("placed"))] += 1
+            if entry.get("waited"):
+                out["waited"] += 1
     return out
 
 
 def of_files(paths: Iterable[Path]) -> Counter[str]:
     """`count` over the log files that exist among `paths`."""
-    out: Counter[str] = Counter()
-    for path in paths:
-        if path.exists():
-            with path.open(errors="replace") as f:
-                out += count(f)
-    return out
+    return count(_lines(paths))
 
 
 def brief(counts: Counter[str]) -> str:
     """One token for a result line: placed=history:812/home:110/...;waited:3 (most first)."""
     placed = "/".join(f"{k}:{v}" for k, v in counts.most_common() if k != "waited")
     return f"{placed or 'none'};waited:{counts['waited']}"
+
+
+def prefill(gateway_lines: Iterable[str], worker_lines: Iterable[str]) -> Counter[str]:
+    """Uncached prompt tokens the workers prefilled (their request logs), by the `placed`
+    of the access log line with the same request id ("unlogged": no such line, e.g. a
+    request the gateway did not place, or its line lost)."""
+    placed = {
+        e.get("request_id"): str(e.get("placed"))
+        for e in _entries(gateway_lines, "request")
+        if "worker" in e
+    }
+    out: Counter[str] = Counter()
+    for e in _entries(worker_lines, "prefill"):
+        tokens = e.get("uncached_tokens")
+        if isinstance(tokens, int) and tokens > 0:
+            out[placed.get(e.get("request_id"), "unlogged")] += tokens
+    return out
+
+
+def prefill_of_files(gateways: Iterable[Path], workers: Iterable[Path]) -> Counter[str]:
+    """`prefill` over the log files that exist among `gateways` and `workers`."""
+    return prefill(_lines(gateways), _lines(workers))
+
+
+def prefill_brief(tokens: Counter[str]) -> str:
+    """One token for a result line: prefill=only:58157/preamble:52708/... (tokens, most
+    first)."""
+    return "/".join(f"{k}:{v}" for k, v in tokens.most_common()) or "none"

@@ -44,14 +44,18 @@ def default_policy() -> str:
     return GatewayConfig().policy
 
 
-def start_workers(specs: Sequence[WorkerSpec]) -> tuple[list[Proc], list[str]]:
-    """Start one fake worker process per spec (all at once), wait until each is healthy."""
+def start_workers(
+    specs: Sequence[WorkerSpec], log_requests: bool = False
+) -> tuple[list[Proc], list[str]]:
+    """Start one fake worker process per spec (all at once), wait until each is healthy;
+    with `log_requests`, each logs its requests' prefills into its log file
+    (`worker_logs` names the files)."""
     procs, urls = [], []
     for i, spec in enumerate(specs):
         port = free_port()
         cmd = [sys.executable, "-m", "vllm_gateway.fake_worker", "--port", str(port)]
-        cmd += spec.args()
-        procs.append(Proc(f"worker{i}", cmd, str(OUT / f"dispatch-worker{i}.log"), cwd=ROOT))
+        cmd += spec.args() + (["--log-requests"] if log_requests else [])
+        procs.append(Proc(f"worker{i}", cmd, str(worker_logs(len(specs))[i]), cwd=ROOT))
         urls.append(f"http://127.0.0.1:{port}")
     try:
         for proc, url in zip(procs, urls, strict=True):
@@ -90,6 +94,11 @@ def start_system(
         stop(procs)
         raise
     return procs, urls
+
+
+def worker_logs(count: int) -> list[Path]:
+    """The log files of `count` fake workers (start_workers)."""
+    return [OUT / f"dispatch-worker{i}.log" for i in range(count)]
 
 
 def gateway_logs(policy: str, replicas: int) -> list[Path]:

@@ -288,7 +288,7 @@ async def test_metrics_are_in_vllms_exposition_format(
 def test_cache_options_on_the_command_line() -> None:
     out = CliRunner().invoke(main, ["fake-worker", "--help"])
     assert out.exit_code == 0
-    for option in ("--block-size", "--num-gpu-blocks", "--prefill-ms-per-token"):
+    for option in ("--block-size", "--num-gpu-blocks", "--prefill-ms-per-token", "--log-requests"):
         assert option in out.output
     bad = CliRunner().invoke(main, ["fake-worker", "--num-gpu-blocks", "0"])
     assert bad.exit_code != 0 and "--num-gpu-blocks" in bad.output
@@ -354,3 +354,34 @@ async def test_an_overcommitting_cache_admits_what_does_not_fit(
         await asyncio.wait_for(first.read(), 10)
     runner = CliRunner().invoke(main, ["fake-worker", "--help"])
     assert "--kv-overcommit" in runner.output
+
+
+async def test_the_request_log_says_what_each_prompt_found_cached(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--log-requests`: a line per request as its prefill starts, under the caller's
+    X-Request-Id (cut short: anyone may send one), with what it had to prefill."""
+    worker = await fake_worker(**FAST, log_requests=True)
+    prompt = words(40)
+    for rid in ("first", "again", "x" * 1000):
+        body = {"model": "fake-model", "prompt": prompt, "max_tokens": 2, "stream": rid == "again"}
+        async with http.post(
+            worker.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}
+        ) as resp:
+            assert resp.status == 200
+            await resp.read()
+    lines = [orjson.loads(x) for x in capsys.readouterr().err.splitlines() if '"prefill"' in x]
+    assert [(x["request_id"], x["prompt_tokens"], x["uncached_tokens"]) for x in lines] == [
+        ("first", 40, 40),
+        ("again", 40, 8),
+        ("x" * 128, 40, 8),
+    ]
+    assert all(0.0 <= x["waited"] < 5.0 for x in lines)
+
+
+async def test_no_request_log_by_default(
+    fake_worker: MakeWorker, http: aiohttp.ClientSession, capsys: pytest.CaptureFixture[str]
+) -> None:
+    worker = await fake_worker(**FAST)
+    await complete(http, worker, words(20))
+    assert '"prefill"' not in capsys.readouterr().err

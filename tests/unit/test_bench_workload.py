@@ -20,7 +20,7 @@ from benchmarks.families import (
     longchat,
     multiturn,
 )
-from benchmarks.placements import brief, count
+from benchmarks.placements import brief, count, prefill, prefill_brief
 from benchmarks.workload import WorkerSpec, bursts, poisson
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
 
@@ -170,3 +170,25 @@ def test_placements_count_the_access_log_lines_of_requests_that_reached_a_worker
     assert counts == {"history": 2, "home": 1, "None": 1, "waited": 1}
     assert brief(counts) == "history:2/home:1/None:1;waited:1"
     assert brief(count([])) == "none;waited:0"
+
+
+def test_prefill_joins_the_workers_request_logs_with_the_placements_by_request_id() -> None:
+    """--placements: the tokens the workers prefilled, by the step that placed each request;
+    a worker's line no access log line names counts as unlogged, broken lines not at all."""
+    placed = '{"event": "request", "request_id": "%s", "worker": "http://w", "placed": "%s"}'
+    gateway = [placed % ("a", "history"), placed % ("b", "only"), placed % ("c", "history")]
+    gateway.append('{"event": "request", "request_id": "d", "status": 429, "outcome": "rejected"}')
+    line = '{"event": "prefill", "request_id": "%s", "prompt_tokens": 2100, "uncached_tokens": %s}'
+    workers = [
+        "fake worker listening on http://127.0.0.1:1",
+        line % ("a", 40),
+        line % ("b", 2040),
+        line % ("c", 0),
+        line % ("d", 500),
+        line % ("e", '"many"'),
+        '{"event": "prefill", "request_id": ',
+    ]
+    tokens = prefill(gateway, workers)
+    assert tokens == {"history": 40, "only": 2040, "unlogged": 500}
+    assert prefill_brief(tokens) == "only:2040/unlogged:500/history:40"
+    assert prefill_brief(prefill([], [])) == "none"

@@ -36,6 +36,11 @@ class Call:
     arrival: float  # loop.time() when the request was read
 
 
+def _id(request: web.Request) -> str | None:
+    """The caller's X-Request-Id (the gateway's request id), for the request log."""
+    return request.headers.get("X-Request-Id")
+
+
 def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json")
 
@@ -119,7 +124,9 @@ class OpenAIApi:
         answer = None if huge or choices > 1 else ("assistant" if chat else "")
         await before_headers(fault)
         if not stream:
-            await self.engine.generate(call.arrival, model, token_ids, n, None, answer)
+            await self.engine.generate(
+                call.arrival, model, token_ids, n, None, answer, _id(request)
+            )
             text = "x" * huge + p.output_text(n)
             make = p.chat_body if chat else p.completion_body
             lp = p.answer_logprobs(n, logprobs, chat)
@@ -156,7 +163,9 @@ class OpenAIApi:
         answer = "assistant"
         await before_headers(call.fault)
         if not stream:
-            await self.engine.generate(call.arrival, model, token_ids, n, None, answer)
+            await self.engine.generate(
+                call.arrival, model, token_ids, n, None, answer, _id(request)
+            )
             return await self._reply(request, call, fmt.body(text, n))
 
         def events(i: int) -> list[bytes]:
@@ -189,7 +198,9 @@ class OpenAIApi:
 
         token_ids, n, answer = size
         try:
-            await self.engine.generate(call.arrival, model, token_ids, n, on_token, answer)
+            await self.engine.generate(
+                call.arrival, model, token_ids, n, on_token, answer, _id(request)
+            )
             for event in closing if isinstance(closing, list) else closing(text, n):
                 await out.event(resp, event)
         except StreamEnded:

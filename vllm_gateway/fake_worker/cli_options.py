@@ -1,4 +1,5 @@
-"""The fake worker's prefix-cache options for `vllm-gateway fake-worker`, as one decorator.
+"""The fake worker's prefix-cache options for `vllm-gateway fake-worker`, as one decorator
+(and `--log-requests`, the log of what each request found cached).
 
 Options default to None so the defaults live in one place, FakeWorkerConfig; the help
 text shows them from there. `cache_settings(**given)` keeps only the options given.
@@ -43,6 +44,13 @@ _OPTIONS: dict[str, tuple[Any, str, str]] = {
         "MS",
         "Prefill time per uncached prompt token, on top of --ttft-ms; the worker's "
         f"prefills run one after another. [default: {_DEFAULTS.prefill_ms_per_token:g}]",
+    ),
+    "--log-requests": (
+        bool,
+        "",
+        "Write one JSON line per request to stderr as its prefill starts: the caller's "
+        "X-Request-Id, prompt and uncached tokens, and the seconds it waited for a batch "
+        "slot and KV blocks (where a gateway's placements cost prefill). [default: off]",
     ),
 }
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import sys
 from collections.abc import Awaitable, Callable, Iterable
 
 from vllm_gateway.fake_worker.config import FakeWorkerConfig
@@ -17,6 +19,9 @@ from vllm_gateway.fake_worker.prefix_cache import PrefixCache
 from vllm_gateway.fake_worker.scheduler import Scheduler
 from vllm_gateway.fake_worker.stats import FakeStats
 from vllm_gateway.fake_worker.tokens import answer_token_id as answer_id
+
+# Characters of a caller's X-Request-Id the request log keeps.
+MAX_LOGGED_ID = 128
 
 
 async def _sleep_until(deadline: float) -> None:
@@ -54,6 +59,7 @@ class Engine:
         n: int,
         on_token: Callable[[int], Awaitable[None]] | None,
         answer_role: str | None = None,
+        request_id: str | None = None,
     ) -> None:
         """Wait for a slot and room for the prompt's KV blocks, prefill, then make n
         tokens at one per tpot.
@@ -64,7 +70,8 @@ class Engine:
         fill, under the ids a later prompt quoting it said by that role would have.
         `on_token(i)` runs as token i is made, still holding the slot (a stalled writer
         keeps its sequence in the batch, as in vLLM). `arrival` is the loop.time() the
-        request came in, for the TTFT and latency histograms.
+        request came in, for the TTFT and latency histograms. `request_id`: the caller's
+        X-Request-Id, for the request log (`FakeWorkerConfig.log_requests`).
         """
         loop = asyncio.get_running_loop()
         ttft, tpot = self.config.ttft_ms / 1000, self.config.tpot_ms / 1000
@@ -76,6 +83,9 @@ class Engine:
                 # The cache is looked up again when the prefill starts (prefill.py says why).
                 async with lane.turn():
                     cache.refresh(seq)
+                    if self.config.log_requests:
+                        waited = loop.time() - arrival
+                        _log_prefill(request_id, len(prompt), seq.uncached_tokens, waited)
                     m.prompt_tokens += len(prompt)
                     await lane.compute(seq.uncached_tokens)
                     cache.commit(seq)
@@ -130,3 +140,18 @@ class Engine:
             running_loras=[m for m in sched.running_models() if m in lora],
             waiting_loras=[m for m in sched.waiting_models() if m in lora],
         )
+
+
+def _log_prefill(request_id: str | None, prompt: int, uncached: int, waited: float) -> None:
+    """One JSON line on stderr as a request's prefill starts (`--log-requests`): the
+    caller's request id (cut to `MAX_LOGGED_ID` characters: a header anyone may send),
+    its prompt and uncached tokens, and the seconds it waited for a batch slot and KV
+    blocks. benchmarks/placements.py joins it with the gateway's access log."""
+    line = {
+        "event": "prefill",
+        "request_id": request_id[:MAX_LOGGED_ID] if request_id is not None else None,
+        "prompt_tokens": prompt,
+        "uncached_tokens": uncached,
+        "waited": round(waited, 6),
+    }
+    sys.stderr.write(json.dumps(line) + "\n")
