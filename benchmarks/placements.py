@@ -5,8 +5,9 @@ per finished request, into the gateway's log file) and counts the lines' `placed
 (cache_aware's steps: history, back, preamble, overflow, home, only, load; docs/dispatch.md)
 and how many waited in the gateway. Warm-up requests count too: the log has no phases.
 
-It also starts the fake workers with `--log-requests` (a JSON line per request as its
-prefill starts, with its uncached tokens) and joins the two logs on the request id: the
+It also starts the fake workers with `--log-requests` (benchmarks/systems.py: a JSON line
+per request as its prefill starts, with its uncached tokens); `prefill` joins the two
+logs on the request id: the
 tokens the workers prefilled, by the step that placed each request (`prefill`), which
 says which decisions cost the fleet its prefills (a document copied into one more cache
 is 2000 tokens on docchat; a turn on its history's worker a few dozen).
@@ -68,7 +69,8 @@ def brief(counts: Counter[str]) -> str:
 def prefill(gateway_lines: Iterable[str], worker_lines: Iterable[str]) -> Counter[str]:
     """Uncached prompt tokens the workers prefilled (their request logs), by the `placed`
     of the access log line with the same request id ("unlogged": no such line, e.g. a
-    request the gateway did not place, or its line lost)."""
+    request the gateway did not place, or its line lost). A request retried on another
+    worker has a line on each, both counted under its last attempt's `placed`."""
     placed = {
         e.get("request_id"): str(e.get("placed"))
         for e in _entries(gateway_lines, "request")

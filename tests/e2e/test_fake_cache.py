@@ -370,12 +370,21 @@ async def test_the_request_log_says_what_each_prompt_found_cached(
         ) as resp:
             assert resp.status == 200
             await resp.read()
+    chat = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 2}
+    responses = {"input": prompt, "max_output_tokens": 2, "stream": True}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/responses", responses)):
+        body = {**body, "model": "fake-model"}
+        async with http.post(worker.url + path, json=body, headers={"X-Request-Id": path}) as resp:
+            assert resp.status == 200
+            await resp.read()
     lines = [orjson.loads(x) for x in capsys.readouterr().err.splitlines() if '"prefill"' in x]
-    assert [(x["request_id"], x["prompt_tokens"], x["uncached_tokens"]) for x in lines] == [
+    assert [(x["request_id"], x["prompt_tokens"], x["uncached_tokens"]) for x in lines[:3]] == [
         ("first", 40, 40),
         ("again", 40, 8),
         ("x" * 128, 40, 8),
     ]
+    assert [x["request_id"] for x in lines[3:]] == ["/v1/chat/completions", "/v1/responses"]
+    assert all(x["prompt_tokens"] >= 40 and x["uncached_tokens"] > 0 for x in lines[3:])
     assert all(0.0 <= x["waited"] < 5.0 for x in lines)
 
 

@@ -48,9 +48,10 @@ _OPTIONS: dict[str, tuple[Any, str, str]] = {
     "--log-requests": (
         bool,
         "",
-        "Write one JSON line per request to stderr as its prefill starts: the caller's "
-        "X-Request-Id, prompt and uncached tokens, and the seconds it waited for a batch "
-        "slot and KV blocks (where a gateway's placements cost prefill). [default: off]",
+        "Write one JSON line per completion, chat or responses request to stderr as its "
+        "prefill starts: the caller's X-Request-Id, prompt and uncached tokens, and the "
+        "seconds since it arrived (waiting for a batch slot, KV blocks and others' "
+        "prefills): where a gateway's placements cost prefill. [default: off]",
     ),
 }
 

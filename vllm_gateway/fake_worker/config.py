@@ -104,8 +104,8 @@ class FakeWorkerConfig:
     # Prefill compute per uncached prompt token, on top of ttft_ms, shared by the
     # worker's requests one after another (see prefill.py). 0: a prompt costs nothing.
     prefill_ms_per_token: float = 0.0
-    # One JSON line on stderr per request as its prefill starts: its id, prompt and
-    # uncached tokens, and its wait for a batch slot and KV blocks (engine.py).
+    # One JSON line on stderr per generating request as its prefill starts: its id,
+    # prompt and uncached tokens, and the seconds since it arrived (engine.py).
     log_requests: bool = False
 
     def __post_init__(self) -> None:

@@ -144,12 +144,17 @@ class Engine:
 
 def _log_prefill(request_id: str | None, prompt: int, uncached: int, waited: float) -> None:
     """One JSON line on stderr as a request's prefill starts (`--log-requests`): the
-    caller's request id (cut to `MAX_LOGGED_ID` characters: a header anyone may send),
-    its prompt and uncached tokens, and the seconds it waited for a batch slot and KV
-    blocks. benchmarks/placements.py joins it with the gateway's access log."""
+    caller's request id (a header anyone may send: cut to `MAX_LOGGED_ID` characters,
+    bytes that are not UTF-8 written out as text, so every line is strict JSON), its
+    prompt and uncached tokens, and the seconds since it arrived (waiting for a batch
+    slot, KV blocks and the prefills ahead of it on the lane; the loop's clock, about a
+    millisecond fine under uvloop). benchmarks/placements.py joins it with the gateway's
+    access log. Embeddings, score and rerank requests are not logged."""
+    if request_id is not None:
+        request_id = request_id[:MAX_LOGGED_ID].encode("utf-8", "backslashreplace").decode()
     line = {
         "event": "prefill",
-        "request_id": request_id[:MAX_LOGGED_ID] if request_id is not None else None,
+        "request_id": request_id,
         "prompt_tokens": prompt,
         "uncached_tokens": uncached,
         "waited": round(waited, 6),
