@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from vllm_gateway.fake_worker.config import FakeWorkerConfig
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
 from vllm_gateway.fake_worker.prefill import PrefillLane
-from vllm_gateway.fake_worker.prefix_cache import PrefixCache
+from vllm_gateway.fake_worker.prefix_cache import PrefixCache, Sequence
 from vllm_gateway.fake_worker.scheduler import Scheduler
 from vllm_gateway.fake_worker.stats import FakeStats
 from vllm_gateway.fake_worker.tokens import answer_token_id as answer_id
@@ -75,20 +75,12 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         ttft, tpot = self.config.ttft_ms / 1000, self.config.tpot_ms / 1000
-        m, cache, lane = self.metrics, self.cache, self.prefill_lane
+        m, cache = self.metrics, self.cache
         role = answer_role if cache.capacity is not None else None  # _made says why
         claim = functools.partial(cache.claim, model, prompt)  # runs once its blocks fit
         async with self.scheduler.claimed(model, claim, cache.release) as seq:
             try:
-                # The cache is looked up again when the prefill starts (prefill.py says why).
-                async with lane.turn():
-                    cache.refresh(seq)
-                    if self.config.log_requests:
-                        waited = loop.time() - arrival
-                        _log_prefill(request_id, len(prompt), seq.uncached_tokens, waited)
-                    m.prompt_tokens += len(prompt)
-                    await lane.compute(seq.uncached_tokens)
-                    cache.commit(seq)
+                await self._prefill(seq, len(prompt), arrival, request_id)
                 start = loop.time()
                 if on_token is None:
                     # Nobody watches the tokens: sleep straight to the first and the last.
@@ -116,6 +108,22 @@ class Engine:
         m.e2e.observe(end - arrival)
         if n > 1:
             m.tpot.observe((end - first) / (n - 1))
+
+    async def _prefill(
+        self, seq: Sequence, prompt: int, arrival: float, request_id: str | None
+    ) -> None:
+        """Prefill the uncached part of a `prompt`-token prompt on the shared lane, logged
+        first with `--log-requests`. The cache is looked up again when the prefill starts
+        (prefill.py says why)."""
+        cache, lane = self.cache, self.prefill_lane
+        async with lane.turn():
+            cache.refresh(seq)
+            if self.config.log_requests:
+                waited = asyncio.get_running_loop().time() - arrival
+                _log_prefill(request_id, prompt, seq.uncached_tokens, waited)
+            self.metrics.prompt_tokens += prompt
+            await lane.compute(seq.uncached_tokens)
+            cache.commit(seq)
 
     async def prefill(self, model: str, prompt: int) -> None:
         """Pooling requests (embed, score, rerank) hold a slot for one prefill."""
