@@ -6,11 +6,10 @@ per finished request, into the gateway's log file) and counts the lines' `placed
 and how many waited in the gateway. Warm-up requests count too: the log has no phases.
 
 It also starts the fake workers with `--log-requests` (benchmarks/systems.py: a JSON line
-per request as its prefill starts, with its uncached tokens); `prefill` joins the two
-logs on the request id: the
-tokens the workers prefilled, by the step that placed each request (`prefill`), which
-says which decisions cost the fleet its prefills (a document copied into one more cache
-is 2000 tokens on docchat; a turn on its history's worker a few dozen).
+per request as its prefill starts, with its uncached tokens), and `prefill` joins the two
+logs on the request id: the tokens the workers prefilled, by the step that placed each
+request, which says which decisions cost the fleet its prefills (a document copied into
+one more cache is 2000 tokens on docchat; a turn on its history's worker a few dozen).
 """
 
 from __future__ import annotations
