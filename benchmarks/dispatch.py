@@ -11,7 +11,8 @@ everything. Per family and system it reports TTFT p50/p99, end-to-end p99, throu
 and the workers' prefix-cache hit rate (hits / queries, from the increase of their
 /metrics counters over the measured window); with --placements, how the gateway placed
 the run's requests (its access log's `placed`, counted: benchmarks/placements.py) and the
-tokens the workers prefilled for each step (their request logs, joined on request id).
+tokens the workers prefilled for each step (their request logs, joined on request id),
+and for every system the later turns moved off their turn before's worker (`moved`).
 Every figure is the median over --runs runs; systems take turns within a run, and every
 system sees the same conversations in a run (same seed).
 
@@ -35,7 +36,7 @@ from benchmarks.cache_stats import cache_counters, hit_rate, per_worker, total
 from benchmarks.families import FAMILIES, Family, Sizes
 from benchmarks.machine import cpu_ticks, idle_since, wait_quiet
 from benchmarks.placements import brief as placed_brief
-from benchmarks.placements import of_files, prefill_brief, prefill_of_files
+from benchmarks.placements import moved_of_files, of_files, prefill_brief, prefill_of_files
 from benchmarks.router import INSTALL_HINT, find_router
 from benchmarks.systems import (
     GATEWAY,
@@ -108,7 +109,7 @@ def measure(family: Family, system: System, seed: int, args: argparse.Namespace,
     """One measurement: fresh workers, the system in front, the family's load; all stopped."""
     wait_quiet(args.min_idle, args.quiet_wait)
     logged = args.placements and system.kind == GATEWAY
-    worker_procs, workers = start_workers(worker_specs(family, args), logged)
+    worker_procs, workers = start_workers(worker_specs(family, args), args.placements)
     procs = list(worker_procs)
     try:
         system_procs, urls = start_system(
@@ -121,7 +122,9 @@ def measure(family: Family, system: System, seed: int, args: argparse.Namespace,
         result |= {"cpu_idle": idle_since(start)}
     finally:
         stop(procs)
-    if logged:  # read once the gateways have stopped: every line written
+    if args.placements:  # the workers' logs (and the gateways'), every line written
+        result["moved"] = moved_of_files(worker_logs(len(workers)))
+    if logged:
         gateways = gateway_logs(system.policy, args.replicas)
         result["placed"] = placed_brief(of_files(gateways))
         tokens = prefill_of_files(gateways, worker_logs(len(workers)))
@@ -180,7 +183,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--placements", action="store_true",
                     help="gateway access log on; print how it placed each run's requests "
                          "(placed=history:N/home:N/...;waited:N) and the tokens the workers "
-                         "prefilled for each (prefill=history:N/...)")  # fmt: skip
+                         "prefilled for each (prefill=history:N/...); for every system, "
+                         "the later turns another worker than the turn before's prefilled "
+                         "(moved=N)")  # fmt: skip
     ap.add_argument("--from-json", metavar="PATH",
                     help="report a bench-out/dispatch-families-r<N>.json again")  # fmt: skip
     return ap.parse_args()

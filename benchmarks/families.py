@@ -30,6 +30,11 @@
     longchat   6 workers of mixed speed (4 fast, 2 at half speed), each with a prefix
                cache; 110 conversations of 6-16 turns under one short system prompt:
                nothing is shared but each conversation's own long, growing history.
+    ragchat    5 workers of mixed speed (3 fast, 2 at half speed), each with a prefix
+               cache; 60 conversations of 3-8 turns, each under one of 12 long context
+               documents (1200 tokens, Zipf 1.2) sent as its system prompt, think time
+               1.5 s: light load, many shared prefixes, caches that hold about two
+               documents and their conversations' histories.
 
 Every family's rates come from the capacity its workers compute to (workload.py), so a
 change of worker speed or batch size changes the load with it. Conversations that start
@@ -363,6 +368,47 @@ def longchat(sizes: Sizes) -> Family:
     return Family("longchat", workers, setup, build)
 
 
+# ragchat's shape: retrieval-grounded or product assistants, each conversation under one of
+# many long context documents sent as the system prompt, a few far more used than the
+# rest, on a mixed fleet lightly loaded: the caches, not the batches, are what binds (a
+# worker holds about two documents and their conversations' histories), so where each
+# document's conversations go decides the reuse.
+RAG_DOCS, RAG_DOC_WORDS, RAG_ZIPF, RAG_CONVERSATIONS, RAG_TURNS = 12, 1200, 1.2, 60, (3, 8)
+RAG_USER_WORDS, RAG_ANSWER_TOKENS, RAG_THINK, RAG_PREFILL_MS_PER_TOKEN = 30, 40, 1.5, 0.2
+
+
+def ragchat(sizes: Sizes) -> Family:
+    rng0 = random.Random(5)
+    docs = [f"Context {i}:\n" + text(rng0, RAG_DOC_WORDS, f"R{i}-") for i in range(RAG_DOCS)]
+    weights = [1 / (i + 1) ** RAG_ZIPF for i in range(RAG_DOCS)]
+    low, high = RAG_TURNS
+    history = (low + high) / 2 * (RAG_USER_WORDS + RAG_ANSWER_TOKENS)
+    every = RAG_DOCS * math.ceil(RAG_DOC_WORDS / BLOCK_SIZE)
+    every += RAG_CONVERSATIONS * math.ceil(history / BLOCK_SIZE)
+    fast, slow = 3, 2
+    blocks = math.ceil(sizes.cache_share * every / (fast + slow))
+    workers = _mixed(blocks, RAG_PREFILL_MS_PER_TOKEN, fast, slow)
+    user, answer = spread(RAG_USER_WORDS), spread(RAG_ANSWER_TOKENS)
+    end = sizes.warmup + sizes.duration
+
+    def one(rng: random.Random, i: int, start: float) -> Conversation:
+        k = rng.choices(range(RAG_DOCS), weights)[0]
+        turns = _turns(rng, rng.randint(low, high), user, answer, RAG_THINK, f"G{i}")
+        return Conversation(start, docs[k], f"rag{i}d{k}", turns)  # (the name says its document)
+
+    build = _started(RAG_CONVERSATIONS, end, one)
+
+    setup = (
+        f"{RAG_CONVERSATIONS} conversations of {low}-{high} turns starting over {end:g} s, "
+        f"each under one of {RAG_DOCS} context documents of {RAG_DOC_WORDS} tokens (Zipf "
+        f"{RAG_ZIPF:g}) as its system prompt; user messages {RAG_USER_WORDS} +-50%, answers "
+        f"{RAG_ANSWER_TOKENS} +-50% tokens, think time exp. mean {RAG_THINK:g} s; KV cache "
+        f"{blocks} blocks per worker = {sizes.cache_share:g} of all documents' and "
+        f"conversations' {every} / {fast + slow}"
+    )
+    return Family("ragchat", workers, setup, build)
+
+
 FAMILIES: dict[str, Callable[[Sizes], Family]] = {
     "hetero": hetero,
     "multiturn": multiturn,
@@ -372,4 +418,5 @@ FAMILIES: dict[str, Callable[[Sizes], Family]] = {
     "agent": agent,
     "docchat": docchat,
     "longchat": longchat,
+    "ragchat": ragchat,
 }

@@ -5,6 +5,11 @@ per finished request, into the gateway's log file) and counts the lines' `placed
 (cache_aware's steps: history, back, preamble, overflow, home, only, load; docs/dispatch.md)
 and how many waited in the gateway. Warm-up requests count too: the log has no phases.
 
+`moved` counts the later turns that another worker than their conversation's turn before
+prefilled (the benchmark's request ids are `<conversation>-t<turn>`, benchmarks/traffic.py;
+read from the workers' logs, so for vllm-router too): each such move prefills the
+conversation's history again where it lands.
+
 It also starts the fake workers with `--log-requests` (benchmarks/systems.py: a JSON line
 per request as its prefill starts, with its uncached tokens), and `prefill` joins the two
 logs on the request id: the tokens the workers prefilled, by the step that placed each
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 
@@ -57,6 +62,27 @@ def count(lines: Iterable[str]) -> Counter[str]:
 def of_files(paths: Iterable[Path]) -> Counter[str]:
     """`count` over the log files that exist among `paths`."""
     return count(_lines(paths))
+
+
+def moved(workers: Sequence[Iterable[str]]) -> int:
+    """Later turns that a worker other than their turn before's prefilled, by the request
+    logs of the fake workers (`workers[i]`: worker i's lines) whose request ids are
+    `<conversation>-t<turn>` (other lines are skipped; a turn with no line before it, e.g.
+    refused, counts nothing). From the workers' logs, so it reads any system in front."""
+    where: dict[tuple[str, int], int] = {}
+    for i, lines in enumerate(workers):
+        for e in _entries(lines, "prefill"):
+            rid = e.get("request_id")
+            if isinstance(rid, str):
+                conversation, sep, turn = rid.rpartition("-t")
+                if sep and turn.isdigit():
+                    where[conversation, int(turn)] = i
+    return sum(1 for (c, t), i in where.items() if t and where.get((c, t - 1), i) != i)
+
+
+def moved_of_files(workers: Iterable[Path]) -> int:
+    """`moved` over the workers' log files (one missing counts as empty)."""
+    return moved([_lines([path]) for path in workers])
 
 
 def brief(counts: Counter[str]) -> str:

@@ -65,7 +65,11 @@ class Player:
         body = orjson.dumps(
             {"model": MODEL, "stream": True, "max_tokens": turn.max_tokens, "messages": messages}
         )
-        headers = {"Content-Type": "application/json", "X-Session-ID": conv.session}
+        # The request id names the conversation and the turn, so the gateway's access log
+        # and the workers' request logs say where each turn of each conversation went.
+        rid = f"{conv.session}-t{len(history) // 2}"
+        headers = {"Content-Type": "application/json", "X-Session-ID": conv.session,
+                   "X-Request-Id": rid}  # fmt: skip
         chunks: list[bytes] = []
         try:
             async with self.session.post(next(self._urls), data=body, headers=headers) as r:

@@ -13,14 +13,18 @@ from benchmarks.families import (
     CHAT_DOCS,
     DOCS,
     FAMILIES,
+    RAG_CONVERSATIONS,
+    RAG_DOC_WORDS,
+    RAG_DOCS,
     Sizes,
     agent,
     docchat,
     docqa,
     longchat,
     multiturn,
+    ragchat,
 )
-from benchmarks.placements import brief, count, prefill, prefill_brief
+from benchmarks.placements import brief, count, moved, prefill, prefill_brief
 from benchmarks.workload import WorkerSpec, bursts, poisson
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
 
@@ -125,6 +129,25 @@ def test_agent_runs_long_sessions_mostly_under_one_system_prompt_on_a_mixed_flee
     assert min(lengths) >= 4 and max(lengths) > 5 * sorted(lengths)[len(lengths) // 2]
 
 
+def test_ragchat_puts_one_of_many_popular_documents_in_each_conversations_system_prompt():
+    from collections import Counter
+
+    family = ragchat(SIZES)
+    conversations = family.build(random.Random(0))
+    assert len(conversations) == RAG_CONVERSATIONS
+    assert {len(c.turns) for c in conversations} <= set(range(3, 9))
+    docs = Counter(c.system for c in conversations)
+    assert len(docs) > RAG_DOCS // 2 and all(d.startswith("Context ") for d in docs)
+    assert docs.most_common(1)[0][0].startswith("Context 0:")  # Zipf: the first is the most used
+    # The name says the document, for traces: rag<i>d<k> under "Context <k>:".
+    assert all(c.system.startswith(f"Context {c.session.split('d')[1]}:") for c in conversations)
+    assert not any("Context" in t.user for c in conversations for t in c.turns)
+    speeds = Counter((w.tpot_ms, w.max_num_seqs) for w in family.workers)
+    assert speeds == {(20, 16): 3, (40, 8): 2}
+    (blocks,) = {w.num_gpu_blocks for w in family.workers}
+    assert blocks is not None and blocks * 16 < 4 * RAG_DOC_WORDS  # about three documents
+
+
 def test_the_doc_block_of_a_run_names_its_replicas_and_gateway_processes() -> None:
     assert doc_key("multiturn", 1) == "multiturn r1"  # as before: existing blocks stay
     assert doc_key("multiturn", 2, 2) == "multiturn r2 p2"
@@ -192,3 +215,17 @@ def test_prefill_joins_the_workers_request_logs_with_the_placements_by_request_i
     assert tokens == {"history": 40, "only": 2040, "unlogged": 500}
     assert prefill_brief(tokens) == "only:2040/unlogged:500/history:40"
     assert prefill_brief(prefill([], [])) == "none"
+
+
+def test_moved_counts_later_turns_another_worker_prefilled_than_the_turn_before() -> None:
+    """--placements: from the workers' request logs (any system in front), the later turns
+    whose worker is not their turn before's; ids not <conversation>-t<turn>, broken lines
+    and a turn with no line before it count nothing."""
+    line = '{"event": "prefill", "request_id": "%s", "prompt_tokens": 9, "uncached_tokens": 9}'
+    one = [line % "c1-t0", line % "c1-t1", line % "c2-t1", line % "c-t-t0", line % "gw-1-2"]
+    two = [line % "c1-t2", line % "c2-t0", line % "c-t-t1", line % "c3-t5", "not json", "{"]
+    three = [line % "c1-t3", line % "c1-tx"]
+    # c1: t1 stays, t2 and t3 move; c2: t1 moves; "c-t": t1 moves; c3's t5 has no t4.
+    assert moved([one, two, three]) == 4
+    assert moved([one + two + three]) == 0  # one worker: nothing moves
+    assert moved([]) == 0
