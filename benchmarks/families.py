@@ -33,7 +33,7 @@
     ragchat    5 workers of mixed speed (3 fast, 2 at half speed), each with a prefix
                cache; 60 conversations of 3-8 turns, each under one of 12 long context
                documents (1200 tokens, Zipf 1.2) sent as its system prompt, think time
-               1.5 s: light load, many shared prefixes, caches that hold about two
+               1.5 s: light load, many shared prefixes, caches that hold about three
                documents and their conversations' histories.
 
 Every family's rates come from the capacity its workers compute to (workload.py), so a
@@ -371,7 +371,7 @@ def longchat(sizes: Sizes) -> Family:
 # ragchat's shape: retrieval-grounded or product assistants, each conversation under one of
 # many long context documents sent as the system prompt, a few far more used than the
 # rest, on a mixed fleet lightly loaded: the caches, not the batches, are what binds (a
-# worker holds about two documents and their conversations' histories), so where each
+# worker holds about three documents and their conversations' histories), so where each
 # document's conversations go decides the reuse.
 RAG_DOCS, RAG_DOC_WORDS, RAG_ZIPF, RAG_CONVERSATIONS, RAG_TURNS = 12, 1200, 1.2, 60, (3, 8)
 RAG_USER_WORDS, RAG_ANSWER_TOKENS, RAG_THINK, RAG_PREFILL_MS_PER_TOKEN = 30, 40, 1.5, 0.2

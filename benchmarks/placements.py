@@ -5,10 +5,11 @@ per finished request, into the gateway's log file) and counts the lines' `placed
 (cache_aware's steps: history, back, preamble, overflow, home, only, load; docs/dispatch.md)
 and how many waited in the gateway. Warm-up requests count too: the log has no phases.
 
-`moved` counts the later turns that another worker than their conversation's turn before
+`moved` counts the later turns that no worker of their conversation's turn before
 prefilled (the benchmark's request ids are `<conversation>-t<turn>`, benchmarks/traffic.py;
 read from the workers' logs, so for vllm-router too): each such move prefills the
-conversation's history again where it lands.
+conversation's history again where it lands (and the shared prefix before it, if that
+worker lacks it).
 
 It also starts the fake workers with `--log-requests` (benchmarks/systems.py: a JSON line
 per request as its prefill starts, with its uncached tokens), and `prefill` joins the two
@@ -65,19 +66,25 @@ def of_files(paths: Iterable[Path]) -> Counter[str]:
 
 
 def moved(workers: Sequence[Iterable[str]]) -> int:
-    """Later turns that a worker other than their turn before's prefilled, by the request
-    logs of the fake workers (`workers[i]`: worker i's lines) whose request ids are
+    """Later turns that no worker of their turn before prefilled, by the request logs of
+    the fake workers (`workers[i]`: worker i's lines) whose request ids are
     `<conversation>-t<turn>` (other lines are skipped; a turn with no line before it, e.g.
-    refused, counts nothing). From the workers' logs, so it reads any system in front."""
-    where: dict[tuple[str, int], int] = {}
+    refused, counts nothing). A turn retried elsewhere has a line on each worker it tried
+    (the logs do not say which came last): it moved only if none of them is one of its
+    turn before's. From the workers' logs, so it reads any system in front."""
+    where: dict[tuple[str, int], set[int]] = {}
     for i, lines in enumerate(workers):
         for e in _entries(lines, "prefill"):
             rid = e.get("request_id")
             if isinstance(rid, str):
                 conversation, sep, turn = rid.rpartition("-t")
-                if sep and turn.isdigit():
-                    where[conversation, int(turn)] = i
-    return sum(1 for (c, t), i in where.items() if t and where.get((c, t - 1), i) != i)
+                if sep and turn.isascii() and turn.isdigit():
+                    where.setdefault((conversation, int(turn)), set()).add(i)
+    return sum(
+        1
+        for (c, t), these in where.items()
+        if t and (c, t - 1) in where and not these & where[c, t - 1]
+    )
 
 
 def moved_of_files(workers: Iterable[Path]) -> int:

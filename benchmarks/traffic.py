@@ -56,9 +56,10 @@ class Player:
         self._urls = itertools.cycle([u + "/v1/chat/completions" for u in urls])
 
     async def turn(
-        self, conv: Conversation, history: list[dict], turn: Turn, sample: Sample
+        self, conv: Conversation, history: list[dict], turn: Turn, sample: Sample, name: str
     ) -> str:
-        """Send one turn, timing it into `sample`; the answer's text ("" if it failed)."""
+        """Send one turn of the conversation called `name` in this run, timing it into
+        `sample`; the answer's text ("" if it failed)."""
         loop = asyncio.get_running_loop()
         messages = [{"role": "system", "content": conv.system}, *history]
         messages.append({"role": "user", "content": turn.user})
@@ -67,7 +68,7 @@ class Player:
         )
         # The request id names the conversation and the turn, so the gateway's access log
         # and the workers' request logs say where each turn of each conversation went.
-        rid = f"{conv.session}-t{len(history) // 2}"
+        rid = f"{name}-t{len(history) // 2}"
         headers = {"Content-Type": "application/json", "X-Session-ID": conv.session,
                    "X-Request-Id": rid}  # fmt: skip
         chunks: list[bytes] = []
@@ -90,9 +91,12 @@ class Player:
         return orjson.loads(b'"' + answer + b'"')
 
     async def conversation(
-        self, conv: Conversation, t0: float, measured: bool, out: Played
+        self, conv: Conversation, t0: float, measured: bool, out: Played, n: int
     ) -> None:
+        """Play `conv`, the run's `n`-th: its turns' request ids are `<session>.<n>-t<turn>`
+        (single-turn families reuse a few hundred sessions; `n` makes each id unique)."""
         loop = asyncio.get_running_loop()
+        name = f"{conv.session}.{n}"
         history: list[dict] = []
         due = t0 + conv.start
         for turn in conv.turns:
@@ -101,7 +105,7 @@ class Player:
             sample = Sample(due)
             if measured:  # recorded before it is sent: one cut off by the deadline fails
                 out.samples.append(sample)
-            answer = await self.turn(conv, history, turn, sample)
+            answer = await self.turn(conv, history, turn, sample, name)
             history += [{"role": "user", "content": turn.user},
                         {"role": "assistant", "content": answer}]  # fmt: skip
             due = loop.time()
@@ -126,8 +130,8 @@ async def play(
         player = Player(session, urls)
         t0 = loop.time() + 0.2
         tasks = [
-            asyncio.create_task(player.conversation(c, t0, c.start >= warmup, out))
-            for c in conversations
+            asyncio.create_task(player.conversation(c, t0, c.start >= warmup, out, n))
+            for n, c in enumerate(conversations)
         ]
         await asyncio.sleep(max(0.0, t0 + warmup - loop.time()))
         await at_measure()

@@ -394,3 +394,25 @@ async def test_no_request_log_by_default(
     worker = await fake_worker(**FAST)
     await complete(http, worker, words(20))
     assert '"prefill"' not in capsys.readouterr().err
+
+
+async def test_the_benchmark_names_each_turn_by_its_conversation_and_turn(
+    fake_worker: MakeWorker, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bench_dispatch's traffic: every turn's X-Request-Id is `<session>.<n>-t<turn>` (n:
+    the conversation's place in the run, so sessions that repeat still give unique ids),
+    which the workers' request logs carry (benchmarks/placements.py `moved` reads them)."""
+    from benchmarks.traffic import play
+    from benchmarks.workload import MODEL, Conversation, Turn
+
+    worker = await fake_worker(**FAST, models=(MODEL,), log_requests=True)
+    turns = (Turn("hello there", 2, 0.0), Turn("and again", 2, 0.01))
+    conversations = [Conversation(0.0, "Be brief.", "s7", turns)] * 2
+
+    async def nothing() -> None:
+        return None
+
+    played = await asyncio.wait_for(play([worker.url], conversations, 0.0, 5.0, nothing), 30)
+    assert len(played.ok()) == 4
+    lines = [orjson.loads(x) for x in capsys.readouterr().err.splitlines() if '"prefill"' in x]
+    assert sorted(x["request_id"] for x in lines) == ["s7.0-t0", "s7.0-t1", "s7.1-t0", "s7.1-t1"]
