@@ -194,6 +194,14 @@ def _mixed(blocks: int, prefill_ms: float, fast: int, slow: int) -> tuple[Worker
     ) * slow
 
 
+def _mixed_share(
+    sizes: Sizes, every: int, prefill_ms: float, fast: int, slow: int
+) -> tuple[int, tuple[WorkerSpec, ...]]:
+    """`_mixed` workers whose prefix caches together hold --cache-share of `every` blocks."""
+    blocks = math.ceil(sizes.cache_share * every / (fast + slow))
+    return blocks, _mixed(blocks, prefill_ms, fast, slow)
+
+
 def multiturn(sizes: Sizes) -> Family:
     systems = system_prompts(SYSTEMS, SYSTEM_WORDS)
     # Blocks to hold every conversation's last prompt, the system prompts once each.
@@ -274,8 +282,7 @@ def agent(sizes: Sizes) -> Family:
     every = AGENT_SESSIONS * math.ceil(history / BLOCK_SIZE)
     every += len(systems) * math.ceil(AGENT_TOOL_WORDS / BLOCK_SIZE)
     fast, slow = 4, 2
-    blocks = math.ceil(sizes.cache_share * every / (fast + slow))
-    workers = _mixed(blocks, AGENT_PREFILL_MS_PER_TOKEN, fast, slow)
+    blocks, workers = _mixed_share(sizes, every, AGENT_PREFILL_MS_PER_TOKEN, fast, slow)
     end = sizes.warmup + sizes.duration
 
     def one(rng: random.Random, i: int, start: float) -> Conversation:
@@ -347,8 +354,7 @@ def longchat(sizes: Sizes) -> Family:
     history = (low + high) / 2 * (LONG_USER_WORDS + LONG_ANSWER_TOKENS)
     every = LONG_CONVERSATIONS * math.ceil(history / BLOCK_SIZE)
     fast, slow = 4, 2
-    blocks = math.ceil(sizes.cache_share * every / (fast + slow))
-    workers = _mixed(blocks, LONG_PREFILL_MS_PER_TOKEN, fast, slow)
+    blocks, workers = _mixed_share(sizes, every, LONG_PREFILL_MS_PER_TOKEN, fast, slow)
     user, answer = spread(LONG_USER_WORDS), spread(LONG_ANSWER_TOKENS)
     end = sizes.warmup + sizes.duration
 
@@ -386,8 +392,7 @@ def ragchat(sizes: Sizes) -> Family:
     every = RAG_DOCS * math.ceil(RAG_DOC_WORDS / BLOCK_SIZE)
     every += RAG_CONVERSATIONS * math.ceil(history / BLOCK_SIZE)
     fast, slow = 3, 2
-    blocks = math.ceil(sizes.cache_share * every / (fast + slow))
-    workers = _mixed(blocks, RAG_PREFILL_MS_PER_TOKEN, fast, slow)
+    blocks, workers = _mixed_share(sizes, every, RAG_PREFILL_MS_PER_TOKEN, fast, slow)
     user, answer = spread(RAG_USER_WORDS), spread(RAG_ANSWER_TOKENS)
     end = sizes.warmup + sizes.duration
 
