@@ -184,7 +184,7 @@ def parse_args() -> argparse.Namespace:
                     help="gateway access log on; print how it placed each run's requests "
                          "(placed=history:N/home:N/...;waited:N) and the tokens the workers "
                          "prefilled for each (prefill=history:N/...); for every system, "
-                         "the later turns another worker than the turn before's prefilled "
+                         "the later turns that no worker of the turn before prefilled "
                          "(moved=N)")  # fmt: skip
     ap.add_argument("--from-json", metavar="PATH",
                     help="report a bench-out/dispatch-families-r<N>.json again")  # fmt: skip
