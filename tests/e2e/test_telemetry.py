@@ -111,6 +111,30 @@ async def test_counters_match_the_traffic_sent(fake_worker, gateway, client, htt
     assert m["process_resident_memory_bytes"][0].value > 0
 
 
+async def test_preamble_plans_are_exported_per_model(fake_worker, gateway, client, http):
+    """cache_aware's plans of where each popular preamble goes, per model: made, and the
+    preambles they moved (a unit test counts moves: test_preamble_plan.py)."""
+    a = await fake_worker(models="alpha", tpot_ms=1, ttft_ms=1)
+    b = await fake_worker(models="alpha", tpot_ms=1, ttft_ms=1)
+    gw = await gateway([a, b])
+    c = client(gw)
+    system = "You answer questions about the manual. " * 60  # a preamble: over one block
+    for i in range(3):
+        await c.chat.completions.create(
+            model="alpha",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"q{i}"}],
+            max_tokens=2,
+        )
+    m = await scrape(http, gw)
+    plans = total(
+        m["vllm_gateway_preamble_plans"], "vllm_gateway_preamble_plans_total", model="alpha"
+    )
+    assert plans >= 1  # the first request with a popular preamble makes one
+    moves = m["vllm_gateway_preamble_plan_moves"]
+    assert [s.labels["model"] for s in moves if s.name.endswith("_total")] == ["alpha"]
+    assert total(moves, "vllm_gateway_preamble_plan_moves_total", model="alpha") == 0
+
+
 async def test_gauges_are_read_at_scrape_time(fake_worker, gateway, http):
     # Two slots: of three streams, the worker runs two and queues one, and says so.
     w = await fake_worker(models="m", tpot_ms=20, ttft_ms=1, max_num_seqs=2)

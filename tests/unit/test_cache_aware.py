@@ -323,14 +323,14 @@ def test_a_conversations_own_first_message_is_not_a_shared_start_on_its_later_tu
         turns += [long(f"a{i}", 300), f"next {i}"]
         if len(turns) > 9:  # a new conversation in its place
             del history[c]
-    counted = set(p._shares["m"].counts)
+    counted = set(p.shares["m"].counts)
     preambles = {prefix_blocks(chat("x", system=s)).preamble for s in systems}
     assert counted == preambles, len(counted)
     assert set(plan_of(p)) == preambles
     c, turns = next((c, t) for c, t in history.items() if len(t) > 1)  # one in progress
     later = prefix_blocks(chat(*turns, system=systems[c % 2]))
     assert later.first > 0 and any(p.index.known(h) for h in later.blocks[: later.first])
-    assert p._shared(later, p._shares["m"].counts) == later.preamble
+    assert p._shared(later, p.shares["m"].counts) == later.preamble
 
 
 def test_two_replicas_place_a_documents_questions_alike():
@@ -390,7 +390,7 @@ def test_popular_preambles_are_planned_apart_and_alike_in_every_replica(fleet):
 
 
 def plan_of(p: CacheAware) -> dict[int, tuple[int, frozenset[str]]]:
-    return dict(p._shares["m"].plan._planned)
+    return dict(p.shares["m"].plan._planned)
 
 
 def test_the_same_mix_keeps_its_plan_and_a_new_preamble_or_worker_makes_a_new_one():
@@ -1188,7 +1188,7 @@ def planned_by_the_other_replica(
             replica.select(ws, info(body))
     first = prefix_blocks(chat("hi", system=system))
     assert first is not None
-    shares = replica._shares["m"]
+    shares = replica.shares["m"]
     counted = shares.counts[first.preamble] / shares.samples
     shares.plan.among(
         first.preamble, counted, shares.samples, ws, shares.counts, replica._ranks.cached

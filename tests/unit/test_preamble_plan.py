@@ -75,3 +75,41 @@ def test_every_preamble_gets_the_workers_it_wants_and_no_worker_more_than_its_pa
     per = Counter(u for _, urls in planned.values() for u in urls)
     part = -(-sum(want for want, _ in planned.values()) // n)
     assert max(per.values()) <= part, planned
+
+
+def test_moves_count_the_preambles_a_new_plan_gives_other_workers():
+    """`moves` (/metrics: vllm_gateway_preamble_plan_moves_total) counts each preamble a
+    plan made again gave a worker it did not have: none for the same shares over the same
+    workers; when a worker leaves, its preamble and any the new plan pushes along; none
+    for a preamble planned one worker fewer; and an empty plan (every worker of weight 0)
+    is no baseline."""
+    ws = [Worker(f"http://m-{i}.test:8000", models=("m",)) for i in range(4)]
+    counts = {101: 1000, 202: 1000, 303: 1000, 0: 1000}
+    plan = PreamblePlan(BOUND)
+    first = _plan(plan, ws, counts)
+    assert plan.moves == 0 and plan.builds == 1
+    assert _plan(plan, ws, counts) == first and plan.moves == 0
+    gone = next(iter(first[202]))
+    rest = [w for w in ws if w.url != gone]
+    plan.forget_missing(w.url for w in rest)
+    after = _plan(plan, rest, counts)
+    moved = [p for p in first if after[p] != first[p]]
+    assert 202 in moved and plan.moves == len(moved) and plan.builds == 3
+    # One worker fewer for a preamble (it had two): nothing to prefill.
+    plan = PreamblePlan(BOUND)
+    two = _plan(plan, ws, {101: 2000, 202: 1000, 0: 1000})
+    assert len(two[101]) == 2
+    fewer = _plan(plan, ws, {101: 1000, 202: 1000, 0: 2000})
+    assert len(fewer[101]) == 1 and fewer[101] < two[101] and plan.moves == 0
+    # Every worker of weight 0 for a plan: the next one counts against the plan before it
+    # (101's worker left meanwhile, so 101 moves).
+    for w in ws:
+        w.weight = 0.0
+    assert _plan(plan, ws, {101: 1000, 202: 1000, 0: 2000}) == {}
+    for w in ws:
+        w.weight = 1.0
+    gone = next(iter(fewer[101]))
+    rest = [w for w in ws if w.url != gone]
+    plan.forget_missing(w.url for w in rest)
+    again = _plan(plan, rest, {101: 1000, 202: 1000, 0: 2000})
+    assert plan.moves == sum(not again[p] <= fewer[p] for p in again) >= 1

@@ -110,7 +110,12 @@ class PreamblePlan:
         self._checked = 0  # requests seen when a planned preamble's fit was last checked
         self._next = FIRST_SCHEDULED  # the next scheduled plan, in requests seen
         self._since = 1 << 30  # requests since the last plan (none yet: one may be made)
-        self.builds = 0  # plans made (for tests)
+        self.builds = 0  # plans made
+        # Preambles a plan gave a worker the last plan with any did not give them (moved, or
+        # one worker more): each a prefill of the preamble there, and of the histories of
+        # the conversations sent there (/metrics: vllm_gateway_preamble_plan_moves_total).
+        self.moves = 0
+        self._last: dict[int, tuple[int, frozenset[str]]] = {}  # that last plan (for moves)
 
     def among(
         self,
@@ -232,9 +237,16 @@ class PreamblePlan:
                     got = (bins.take(ranks[i], taken[i]) or bins.make_way(ranks, taken, i)
                            or bins.take(ranks[i], taken[i], True))  # fmt: skip
                     taken[i].update(got)
+        last = self._last
         for preamble, want, has in zip(hot, wants, taken, strict=True):
-            planned[preamble] = (want, frozenset(workers[j].url for j in has))
+            urls = frozenset(workers[j].url for j in has)
+            planned[preamble] = (want, urls)
+            old = last.get(preamble)
+            if old is not None and not urls <= old[1]:
+                self.moves += 1
         self._planned = planned
+        if planned:  # (a plan with no popular preamble is no baseline for the next)
+            self._last = planned
 
 
 class _Bins:

@@ -23,6 +23,7 @@ from vllm_gateway.dispatch.dispatcher import Dispatcher, Lease
 from vllm_gateway.errors import GatewayError
 from vllm_gateway.fleet.scrape import Scraper
 from vllm_gateway.observe.exposition import Histogram, Writer
+from vllm_gateway.observe.plan_metrics import plan_metrics
 from vllm_gateway.workers import Circuit, Worker, WorkerRegistry, WorkerState
 
 if TYPE_CHECKING:  # read at scrape time only; they are built above this module
@@ -396,6 +397,7 @@ def _dispatch_metrics(
         "its capacity, or its last scrape reported a queue): they wait inside the worker.",
     )
     w.sample(p + "dispatch_sent_to_full_total", dispatcher.buckets.sent_to_full)
+    plan_metrics(w, dispatcher)
     described = [(worker.url, dispatcher.buckets.describe(worker)) for worker in workers]
     for name, key, help_ in (
         (

@@ -95,7 +95,7 @@ class CacheAware:
         self._fallback = QueuePolicy(rng)
         self.index = PrefixIndex()
         self._ranks = Ranks()
-        self._shares: dict[str, Shares] = {}  # model -> its preambles' shares
+        self.shares: dict[str, Shares] = {}  # model -> its preambles' shares and plan (/metrics)
         # The last request's deepest holders among its candidates, and the depth they hold.
         self._holders: list[Worker] = []
         self._depth = 0
@@ -139,11 +139,11 @@ class CacheAware:
             self.index.record_names(worker, preamble, names)
 
     def _shares_of(self, model: str) -> Shares:
-        shares = self._shares.get(model)
+        shares = self.shares.get(model)
         if shares is None:
-            if len(self._shares) >= MAX_MODELS:
-                self._shares.clear()
-            shares = self._shares[model] = Shares(self._bound)
+            if len(self.shares) >= MAX_MODELS:
+                self.shares.clear()
+            shares = self.shares[model] = Shares(self._bound)
         return shares
 
     def _uncached(self, worker: Worker, blocks: PrefixBlocks, preamble: int) -> int:
@@ -172,7 +172,7 @@ class CacheAware:
         info.saved = 0
         if blocks is None:
             return []
-        shares = self._shares.get(info.model)
+        shares = self.shares.get(info.model)
         preamble = self._shared(blocks, shares.counts if shares is not None else {})
         plan = shares.plan if shares is not None else None
         liked = wanted_holders(self.index, plan, self._ranks, blocks, preamble, gated, candidates)
@@ -219,7 +219,7 @@ class CacheAware:
         self.index.forget_missing(present)
         urls = {w.url for w in present}
         self._ranks.forget_missing(urls)
-        for shares in self._shares.values():
+        for shares in self.shares.values():
             shares.plan.forget_missing(urls)
 
     def _choose(
