@@ -13,6 +13,20 @@ from vllm_gateway.dispatch.dispatcher import Dispatcher
 from vllm_gateway.dispatch.policies.cache_aware import CacheAware
 from vllm_gateway.observe.exposition import Writer
 
+# (name, help), in the order of the per-model counts below: plans made, preambles moved.
+_FAMILIES = (
+    (
+        "vllm_gateway_preamble_plans_total",
+        "Plans made of which workers each popular preamble (system prompt, shared document) "
+        "goes to (cache_aware): on a schedule, and when shares or workers change.",
+    ),
+    (
+        "vllm_gateway_preamble_plan_moves_total",
+        "Popular preambles a new plan gave a worker the plan before did not (moved, or one "
+        "worker more): each a prefill of the preamble there. The plan's churn.",
+    ),
+)
+
 
 def plan_metrics(w: Writer, dispatcher: Dispatcher) -> None:
     """cache_aware's preamble plans per model: made, and the preambles they moved."""
@@ -26,19 +40,7 @@ def plan_metrics(w: Writer, dispatcher: Dispatcher) -> None:
             counts = plans.setdefault(model, [0, 0])
             counts[0] += shares.plan.builds
             counts[1] += shares.plan.moves
-    w.family(
-        "vllm_gateway_preamble_plans_total",
-        "counter",
-        "Plans made of which workers each popular preamble (system prompt, shared document) "
-        "goes to (cache_aware): on a schedule, and when shares or workers change.",
-    )
-    for model, (builds, _) in sorted(plans.items()):
-        w.sample("vllm_gateway_preamble_plans_total", builds, (("model", model),))
-    w.family(
-        "vllm_gateway_preamble_plan_moves_total",
-        "counter",
-        "Popular preambles a new plan gave a worker the plan before did not (moved, or one "
-        "worker more): each a prefill of the preamble there. The plan's churn.",
-    )
-    for model, (_, moves) in sorted(plans.items()):
-        w.sample("vllm_gateway_preamble_plan_moves_total", moves, (("model", model),))
+    for k, (name, help_) in enumerate(_FAMILIES):
+        w.family(name, "counter", help_)
+        for model, counts in sorted(plans.items()):
+            w.sample(name, counts[k], (("model", model),))
