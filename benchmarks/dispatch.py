@@ -12,7 +12,8 @@ and the workers' prefix-cache hit rate (hits / queries, from the increase of the
 /metrics counters over the measured window); with --placements, how the gateway placed
 the run's requests (its access log's `placed`, counted: benchmarks/placements.py) and the
 tokens the workers prefilled for each step (their request logs, joined on request id),
-and for every system the later turns moved off their turn before's worker (`moved`).
+and for every system the later turns moved off their turn before's worker (`moved`),
+and for the gateway the popular preambles its plans moved (`plan_moves`, its /metrics).
 Every figure is the median over --runs runs; systems take turns within a run, and every
 system sees the same conversations in a run (same seed).
 
@@ -36,7 +37,13 @@ from benchmarks.cache_stats import cache_counters, hit_rate, per_worker, total
 from benchmarks.families import FAMILIES, Family, Sizes
 from benchmarks.machine import cpu_ticks, idle_since, wait_quiet
 from benchmarks.placements import brief as placed_brief
-from benchmarks.placements import moved_of_files, of_files, prefill_brief, prefill_of_files
+from benchmarks.placements import (
+    moved_of_files,
+    of_files,
+    plan_moves,
+    prefill_brief,
+    prefill_of_files,
+)
 from benchmarks.router import INSTALL_HINT, find_router
 from benchmarks.systems import (
     GATEWAY,
@@ -81,7 +88,7 @@ def summarize(played: Played) -> dict[str, float]:
 
 
 async def drive(family: Family, urls: list[str], workers: list[str], seed: int,
-                args: argparse.Namespace) -> dict:  # fmt: skip
+                args: argparse.Namespace, gateway: bool) -> dict:  # fmt: skip
     conversations = family.build(random.Random(seed))
     async with aiohttp.ClientSession() as scrape:
         before: list[list[tuple[float, float]]] = []
@@ -91,8 +98,12 @@ async def drive(family: Family, urls: list[str], workers: list[str], seed: int,
 
         played = await play(urls, conversations, args.warmup, args.drain, at_measure)
         after = await cache_counters(scrape, workers)
+        churn = {}
+        if gateway and args.placements:  # each replica plans alone: their moves add up
+            pages = [await (await scrape.get(url + "/metrics")).text() for url in urls]
+            churn = {"plan_moves": sum(plan_moves(page) for page in pages)}
     hits = {"hit_rate": hit_rate(total(before[0]), total(after))}
-    return summarize(played) | hits | {"workers": per_worker(before[0], after)}
+    return summarize(played) | hits | {"workers": per_worker(before[0], after)} | churn
 
 
 def worker_specs(family: Family, args: argparse.Namespace) -> tuple[WorkerSpec, ...]:
@@ -118,7 +129,7 @@ def measure(family: Family, system: System, seed: int, args: argparse.Namespace,
         procs += system_procs
         start = cpu_ticks()
         with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop, as the gateway
-            result = runner.run(drive(family, urls, workers, seed, args))
+            result = runner.run(drive(family, urls, workers, seed, args, system.kind == GATEWAY))
         result |= {"cpu_idle": idle_since(start)}
     finally:
         stop(procs)
@@ -185,7 +196,8 @@ def parse_args() -> argparse.Namespace:
                          "(placed=history:N/home:N/...;waited:N) and the tokens the workers "
                          "prefilled for each (prefill=history:N/...); for every system, "
                          "the later turns that no worker of the turn before prefilled "
-                         "(moved=N)")  # fmt: skip
+                         "(moved=N); for the gateway, the popular preambles its plans "
+                         "moved (plan_moves=N, from its /metrics)")  # fmt: skip
     ap.add_argument("--from-json", metavar="PATH",
                     help="report a bench-out/dispatch-families-r<N>.json again")  # fmt: skip
     return ap.parse_args()

@@ -11,6 +11,10 @@ read from the workers' logs, so for vllm-router too): each such move prefills th
 conversation's history again where it lands (and the shared prefix before it, if that
 worker lacks it).
 
+`plan_moves` is the gateways' own count of the popular preambles their plans moved
+(`vllm_gateway_preamble_plan_moves_total`, read from /metrics as the run ends): the plan's
+churn, each move a prefill of a preamble on a worker it was not planned on before.
+
 It also starts the fake workers with `--log-requests` (benchmarks/systems.py: a JSON line
 per request as its prefill starts, with its uncached tokens), and `prefill` joins the two
 logs on the request id: the tokens the workers prefilled, by the step that placed each
@@ -21,6 +25,7 @@ one more cache is 2000 tokens on docchat; a turn on its history's worker a few d
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -125,3 +130,23 @@ def prefill_brief(tokens: Counter[str]) -> str:
     """One token for a result line: prefill=only:58157/preamble:52708/... (tokens, most
     first)."""
     return "/".join(f"{k}:{v}" for k, v in tokens.most_common()) or "none"
+
+
+_PLAN_MOVES = re.compile(r"^vllm_gateway_preamble_plan_moves_total\{([^}]*)\} (\S+)$", re.M)
+_MODEL = re.compile(r'model="((?:[^"\\]|\\.)*)"')
+
+
+def plan_moves(page: str) -> int:
+    """The preambles one gateway's plans moved, from its /metrics `page`: summed over its
+    models; with `--gateway-processes N` each process makes the same plan (one per
+    process, alike), so a model counts its largest process's figure, not their sum."""
+    per_model: dict[str, float] = {}
+    for labels, value in _PLAN_MOVES.findall(page):
+        found = _MODEL.search(labels)
+        model = found.group(1) if found else ""
+        try:
+            moves = float(value)
+        except ValueError:
+            continue
+        per_model[model] = max(per_model.get(model, 0.0), moves)
+    return int(sum(per_model.values()))

@@ -24,7 +24,7 @@ from benchmarks.families import (
     multiturn,
     ragchat,
 )
-from benchmarks.placements import brief, count, moved, prefill, prefill_brief
+from benchmarks.placements import brief, count, moved, plan_moves, prefill, prefill_brief
 from benchmarks.workload import WorkerSpec, bursts, poisson
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
 
@@ -238,3 +238,21 @@ def test_moved_counts_later_turns_another_worker_prefilled_than_the_turn_before(
         assert moved(files) == 0
     assert moved([[line % "r-t0"], [line % "r-t1"], [line % "r-t1"]]) == 1
     assert moved([[line % "u-t0"], [line % "u-t\u00b2"]]) == 0  # not an ASCII turn: skipped
+
+
+def test_plan_moves_sums_models_and_takes_one_process_of_each() -> None:
+    """A gateway's /metrics page: the moves of each model's plan, summed over models; with
+    `--gateway-processes N`, the processes' figures of one model are one plan, not N."""
+    page = "\n".join(
+        [
+            "# TYPE vllm_gateway_preamble_plan_moves_total counter",
+            'vllm_gateway_preamble_plan_moves_total{model="a"} 3',
+            'vllm_gateway_preamble_plan_moves_total{model="b \\"x\\""} 2',
+            'vllm_gateway_preamble_plans_total{model="a"} 40',
+            'vllm_gateway_preamble_plan_moves_total{model="c",process="0"} 5',
+            'vllm_gateway_preamble_plan_moves_total{model="c",process="1"} 4',
+            'vllm_gateway_preamble_plan_moves_total{model="d"} nonsense',
+        ]
+    )
+    assert plan_moves(page) == 3 + 2 + 5
+    assert plan_moves("") == 0
