@@ -1,8 +1,9 @@
 """Dispatch under workload families: the gateway's policies beside vllm-router's.
 
 For each family (benchmarks/families.py: hetero, multiturn, burst, longtail, docqa,
-agent, docchat, longchat, ragchat) and each system (vllm-router with `cache_aware` and
-`power_of_two` when it is installed; the gateway with each of --policies), one
+agent, docchat, longchat, ragchat, bigbatch, longprompt) and each system (vllm-router
+with `cache_aware` and `power_of_two` when it is installed; the gateway with each of
+--policies), one
 measurement starts fresh fake workers (each its own process, with an empty prefix
 cache), starts the system in front of them (--replicas processes of it, requests
 alternating between them), plays the family's conversations from this process, and stops
@@ -177,7 +178,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds first")
     ap.add_argument("--drain", type=float, default=30.0, help="longest wait for the tail")
     ap.add_argument("--load", type=float, default=0.7,
-                    help="hetero, longtail: offered load, fraction of capacity")  # fmt: skip
+                    help="hetero, longtail, bigbatch, longprompt: offered load, "
+                         "fraction of capacity")  # fmt: skip
     ap.add_argument("--cache-share", type=float, default=0.5,
                     help="multiturn: fleet KV blocks / all conversations' blocks")  # fmt: skip
     ap.add_argument("--kv-wait", action="store_true",

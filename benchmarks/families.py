@@ -35,6 +35,13 @@
                documents (1200 tokens, Zipf 1.2) sent as its system prompt, think time
                1.5 s: light load, many shared prefixes, caches that hold about three
                documents and their conversations' histories.
+    bigbatch   3 workers with large batches (max_num_seqs 64, 32 and 48, the last at half
+               speed); short chat at --load of capacity, about 100 requests running at
+               once: a fleet far past the few slots the capacity gate assumes at first.
+    longprompt 4 workers of mixed speed (3 fast, 1 at half speed) with a prefill cost; single
+               requests each reading its own long text (log-normal, median 800 tokens, up to
+               4000) at --load of capacity: nothing to reuse, prefill-bound, where a long
+               prompt holds up every first token queued behind it on its worker.
 
 Every family's rates come from the capacity its workers compute to (workload.py), so a
 change of worker speed or batch size changes the load with it. Conversations that start
@@ -72,7 +79,7 @@ class Sizes:
 
     warmup: float  # seconds of arrivals not measured
     duration: float  # seconds of measured arrivals
-    load: float  # hetero and longtail: offered load as a fraction of capacity
+    load: float  # hetero, longtail, bigbatch, longprompt: offered load as a fraction of capacity
     cache_share: float  # multiturn: the fleet's KV blocks / all conversations' blocks
 
 
@@ -414,6 +421,61 @@ def ragchat(sizes: Sizes) -> Family:
     return Family("ragchat", workers, setup, build)
 
 
+# bigbatch's shape: vLLM's batches as GPUs run them (hundreds of sequences; here 32-64, as
+# many as a 2-core machine streams), one worker at half speed, short chat at --load.
+BIG_SEQS, BIG_TOKENS = (64, 32, 48), 24
+
+
+def bigbatch(sizes: Sizes) -> Family:
+    # Each step 50 ms (100 ms on the slow one): at 70% of capacity about 100 requests run
+    # at once, a third of the fleet's slots, several times the 8 the capacity gate assumes
+    # of a worker it knows nothing of (buckets.py PROBE_START) until it has seen it run more.
+    fast, mid, slow = BIG_SEQS
+    workers = (WorkerSpec(50, 50, fast), WorkerSpec(50, 50, mid), WorkerSpec(100, 100, slow))
+    draw = spread(BIG_TOKENS)
+    cap = _capacity(workers, draw)
+    family = _open_loop("bigbatch", workers, draw, sizes.load * cap, sizes)
+    low, high = BIG_TOKENS // 2, BIG_TOKENS * 3 // 2
+    setup = f"capacity {cap:.1f} req/s, {family.setup} ({sizes.load:g}); max_tokens {low}..{high}"
+    return Family("bigbatch", workers, setup, family.build)
+
+
+# longprompt's shape: each request its own long text to read (summarize, extract, classify
+# a user's upload), log-normal length; nothing is shared, and the prefill is most of the work.
+LONG_MEDIAN, LONG_SIGMA, LONG_RANGE, LONG_ANSWER = 800, 0.8, (50, 4000), 32
+LONG_PREFILL_MS_PER_TOKEN = 0.05  # a median prompt 40 ms on a fast worker, the longest 200 ms
+
+
+def longprompt(sizes: Sizes) -> Family:
+    fast = WorkerSpec(20, 20, 16, None, LONG_PREFILL_MS_PER_TOKEN)
+    slow = WorkerSpec(40, 40, 8, None, 2 * LONG_PREFILL_MS_PER_TOKEN)
+    workers = (fast,) * 3 + (slow,)
+    length = lognormal(LONG_MEDIAN, LONG_SIGMA, *LONG_RANGE)
+    draw = spread(LONG_ANSWER)
+    prompt, answer = mean_of(length), mean_of(draw)
+    # A worker prefills one prompt at a time (its prefill lane) while it decodes a batch:
+    # it completes the fewer of the two rates.
+    cap = sum(min(1000 / (prompt * w.prefill_ms_per_token), w.capacity(answer)) for w in workers)
+    rate = sizes.load * cap
+    systems = system_prompts(2, 24)
+    end = sizes.warmup + sizes.duration
+
+    def build(rng: random.Random) -> list[Conversation]:
+        out = []
+        for i, at in enumerate(poisson(rng, rate, 0.0, end)):
+            turn = Turn(f"Summarize text {i}: " + text(rng, length(rng), f"u{i}-"), draw(rng), 0.0)
+            out.append(Conversation(at, rng.choice(systems), f"u{i}", (turn,)))
+        return out
+
+    low, high = LONG_RANGE
+    setup = (
+        f"capacity {cap:.1f} req/s, {rate:.1f} req/s Poisson ({sizes.load:g}); prompts each "
+        f"its own text, log-normal (median {LONG_MEDIAN}, sigma {LONG_SIGMA:g}, {low}..{high}, "
+        f"mean {prompt:.0f} tokens); max_tokens {LONG_ANSWER} +-50%"
+    )
+    return Family("longprompt", workers, setup, build)
+
+
 FAMILIES: dict[str, Callable[[Sizes], Family]] = {
     "hetero": hetero,
     "multiturn": multiturn,
@@ -424,4 +486,6 @@ FAMILIES: dict[str, Callable[[Sizes], Family]] = {
     "docchat": docchat,
     "longchat": longchat,
     "ragchat": ragchat,
+    "bigbatch": bigbatch,
+    "longprompt": longprompt,
 }

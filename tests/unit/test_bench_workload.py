@@ -13,14 +13,17 @@ from benchmarks.families import (
     CHAT_DOCS,
     DOCS,
     FAMILIES,
+    LONG_RANGE,
     RAG_CONVERSATIONS,
     RAG_DOC_WORDS,
     RAG_DOCS,
     Sizes,
     agent,
+    bigbatch,
     docchat,
     docqa,
     longchat,
+    longprompt,
     multiturn,
     ragchat,
 )
@@ -146,6 +149,39 @@ def test_ragchat_puts_one_of_many_popular_documents_in_each_conversations_system
     assert speeds == {(20, 16): 3, (40, 8): 2}
     (blocks,) = {w.num_gpu_blocks for w in family.workers}
     assert blocks is not None and 3 * RAG_DOC_WORDS < blocks * 16 < 4 * RAG_DOC_WORDS
+
+
+def test_bigbatch_runs_far_more_at_once_than_the_capacity_gate_first_assumes() -> None:
+    from vllm_gateway.dispatch.buckets import PROBE_START
+
+    family = bigbatch(SIZES)
+    assert [w.max_num_seqs for w in family.workers] == [64, 32, 48]
+    assert family.workers[2].tpot_ms == 2 * family.workers[0].tpot_ms  # one at half speed
+    requests = family.build(random.Random(0))
+    seconds = SIZES.warmup + SIZES.duration
+    rate = len(requests) / seconds
+    capacity = sum(w.capacity(24) for w in family.workers)  # answers 12-36 tokens, mean 24
+    assert 0.9 < rate / (SIZES.load * capacity) < 1.1
+    # Little's law: running at once = rate x time each runs (1.2 s on a fast worker, answers
+    # of 24 tokens at 50 ms each; 2.4 s on the slow one): several times what the capacity
+    # gate lets each worker run until it has seen it run more.
+    assert rate * 1.2 > 3 * PROBE_START * len(family.workers)
+    assert all(len(c.turns) == 1 and 12 <= c.turns[0].max_tokens <= 36 for c in requests)
+
+
+def test_longprompt_sends_each_request_its_own_long_text() -> None:
+    family = longprompt(SIZES)
+    requests = family.build(random.Random(0))
+    bodies = [c.turns[0].user for c in requests]
+    heads = {b.split(": ", 1)[1].split()[0] for b in bodies}
+    assert len(heads) == len(bodies)  # no two texts start alike: nothing to reuse
+    lengths = sorted(len(b.split()) - 3 for b in bodies)  # ("Summarize text i:")
+    low, high = LONG_RANGE
+    assert low <= lengths[0] and lengths[-1] <= high
+    assert 600 < lengths[len(lengths) // 2] < 1000 and lengths[-1] > 3 * lengths[len(lengths) // 2]
+    speeds = [(w.tpot_ms, w.prefill_ms_per_token) for w in family.workers]
+    assert speeds == [(20, 0.05)] * 3 + [(40, 0.1)]
+    assert all(w.num_gpu_blocks is None for w in family.workers)
 
 
 def test_the_doc_block_of_a_run_names_its_replicas_and_gateway_processes() -> None:
