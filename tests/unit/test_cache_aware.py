@@ -1031,6 +1031,41 @@ def test_a_first_turn_stays_with_its_congested_preamble_holder_a_later_turn_leav
     assert p.select(ws, info(later)) is not hot
 
 
+@pytest.mark.parametrize(
+    "system",
+    [None, "Be brief.", "One system prompt for all the traffic. " * 20],  # (the last: everywhere)
+)
+def test_a_first_turn_sharing_nothing_leaves_its_key_home_behind_a_prompts_more_prefill(system):
+    """A first turn that shares nothing placed with other conversations (no system prompt,
+    one too short to cache, or one that every worker needs) costs the same prefill on
+    every worker: it leaves its key's home
+    when the home owes more than that prompt's prefill above what a typical candidate
+    owes, as a later turn leaves a holder (for a later turn's holder the margin is larger:
+    what it would not have prefilled there). Within that margin it stays home, so a
+    replica that never saw it finds its next turn where its key says."""
+    ws = workers(4)
+    doc = chat("a long question " * 200, system=system)
+    size = info(doc).prefix_blocks().size  # type: ignore[union-attr]
+
+    def placed(owed: dict[int, int] | None = None) -> tuple[Worker | None, str]:
+        p = policy()  # a new gateway (replica): the conversation is new to it
+        backlogged(ws, {})
+        if owed is not None:
+            backlogged(ws, owed)
+        first = info(doc)
+        return p.select(ws, first), first.placed
+
+    home, step = placed()
+    assert home is not None and step == "home"
+    h = ws.index(home)
+    for owed, stays in [(size // 2, True), (size, True), (size + 1, False), (10 * size, False)]:
+        worker, step = placed({h: owed})
+        assert (worker is home) is stays and step == "home", owed
+    # Measured from the typical candidate: all owing alike, it stays.
+    assert placed({j: 10 * size for j in range(4)})[0] is home
+    assert placed({j: 10 * size for j in range(4)} | {h: 11 * size + 1})[0] is not home
+
+
 def stats_with(queries: float | None, hits: float | None) -> EngineStats:
     return EngineStats(0, 0, None, 0.0, None, queries, hits)
 

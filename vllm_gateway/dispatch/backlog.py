@@ -1,4 +1,4 @@
-"""The prefill backlog: which candidates a later turn should leave for the prefill they owe.
+"""The prefill backlog: which candidates a request should leave for the prefill they owe.
 
     uncached(worker, blocks, preamble, depth, index) -> bytes   (what a request would owe)
     worth_checking(owed, least, speeds, size) -> bool           (a cheap bound first)
@@ -64,9 +64,10 @@ def congested(
     size: int,
     uncached_of: Callable[[int], int],
 ) -> set[int] | None:
-    """The candidates a later turn of `size` prompt bytes should leave for their backlog,
-    counted per speed class (pace x weight to the fastest candidate's, rounded to a power
-    of two, so one kind of GPU is one class whatever its learned paces). Candidate `j` is
+    """The candidates a request of `size` prompt bytes (a later turn, or a first turn
+    sharing nothing placed: cache_aware.py) should leave for their backlog, counted per
+    speed class (pace x weight to the fastest candidate's, rounded to a power of two, so
+    one kind of GPU is one class whatever its learned paces). Candidate `j` is
     left out when its backlog exceeds what a typical candidate owes (the lower median) by
     more than moving costs: the whole prompt prefilled elsewhere (`size`, the turn's own
     wait there), plus the work the move adds to that worker's queue for the requests

@@ -25,27 +25,27 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    any state. A later turn whose history this process does not know (another replica
    placed it) takes that home past the load bound while it has a batch slot free: the
    bound reads this replica's own in-flight view, which the other's does not share.
-   The preamble (the system prompt) is shared by many conversations: they go
-   to the first `ceil(workers x its share of recent requests / load_bound)` workers in
-   the preamble's own rendezvous order (each worker may carry `load_bound` times its fair
-   share; all of them for a preamble with most of the traffic), so each worker caches
-   few preambles and has room for histories. When all of those are past the bound, the
-   preamble's next worker in its own order that has room takes the conversation: its
-   overflow lands where its earlier overflow went, in every replica alike, so one more
-   worker pays the preamble's prefill, not every worker a key would pick. A worker the
-   index says holds the preamble gets the history's looser bound: a conversation sent
-   away from it prefills the preamble again, as a moved history would be.
+   The preamble (the system prompt) is shared by many conversations: they go to the
+   workers its share of the recent requests needs, `ceil(workers x share / load_bound)`,
+   the first of the preamble's own rendezvous order (or as the plan deals the popular
+   ones: preamble_plan.py), so each worker caches few preambles and has room for
+   histories. Past the bound on all of those, the preamble's next worker in its own order
+   with room: its overflow lands where its earlier overflow went, in every replica alike.
+   A worker the index says holds the preamble gets the history's looser bound (a
+   conversation sent away prefills the preamble again, as a moved history would).
    A shared start of the first user message (a document quoted for questions about
    it, few-shot examples; `_shared`) is a preamble too: the deepest block inside the key,
    a block or more past the system prompt, that is known (counted as a preamble among
-   the recent requests, or in the index) stands for it.
+   the recent requests, or in the index) stands for it. A first turn that shares nothing
+   placed (no preamble, or one on every worker) leaves a home owing far more prefill
+   than the others, as a later turn does (`_leave_congested`).
 
 The load bound, per worker, is `LoadView.fits` (load_view.py says it and why). Rendezvous
 weighs by `weight` only (pace differs slightly between replicas; the order must not).
 
 Requests without prompt text (token ids) go to the least expected wait, as with `queue`.
-Every request's blocks are recorded on the worker chosen, so its next turn finds them.
-The step that chose is `RequestInfo.placed` (the access log's), one of `PLACED`.
+Every request's blocks are recorded on the worker chosen, so its next turn finds them;
+the step that chose is `RequestInfo.placed` (the access log's), one of `PLACED`.
 """
 
 from __future__ import annotations
@@ -260,16 +260,17 @@ class CacheAware:
             if best is not None:
                 info.placed = "history"
                 return best
-        # A worker that holds the preamble keeps new conversations within the history's
-        # bound too: sent elsewhere, the preamble is prefilled again, as a history would be.
+        # Holders of the preamble get the history's looser bound (sent away, it is prefilled
+        # again). A later turn with no history known here (another replica placed it, or
+        # its holders were full): most likely on the first choice below, alike in every
+        # replica but for the load bound (each replica's own view): it goes by the gate.
         extra = (self._bound - 1.0, held, preamble)
-        # A later turn with no history known here: another replica (or a moment its holders
-        # were full) placed it, most likely on the first choice below, alike in every replica
-        # but for the load bound (each replica's own view): it gives way to the capacity gate.
         sticky = blocks.continued
         best = self._preamble_home(view, blocks, preamble, share, shares, extra, sticky)
         step = self._step
-        if best is None:
+        if best is None:  # (nothing it shares is placed: none, or on every worker)
+            if not sticky and view.owed and view.congested is None:  # (a first turn)
+                self._leave_congested(view, blocks, preamble)
             best, step = self._home(blocks.key, range(len(candidates)), view, extra, sticky), "home"
         if best is not None:
             info.placed = step
@@ -411,8 +412,7 @@ class CacheAware:
         within its load limit (`LoadView.fits`; `extra`: a number, or (extra, for holders of
         the preamble, the preamble)). `sticky`: a candidate with a batch slot free
         (`LoadView.has_room`) needs nothing more."""
-        best: Worker | None = None
-        best_rank = math.inf
+        best, best_rank = None, math.inf
         seeds, seed_of = self._ranks.seeds, self._ranks.seed
         candidates = view.candidates
         congested = view.congested or ()
@@ -430,11 +430,11 @@ class CacheAware:
         return best
 
     def _leave_congested(self, view: LoadView, blocks: PrefixBlocks, preamble: int) -> None:
-        """Mark the candidates a later turn should leave for their prefill backlog
-        (backlog.py). Only a later turn of a chat: its history, once moved, moves with it
-        (its next turns follow it there); a first turn sent away from the workers of a
-        preamble or shared document would copy that prefix into one more worker's cache,
-        a cost to every later request sharing it that one request's comparison misses."""
+        """Mark the candidates a request should leave for their prefill backlog (backlog.py):
+        a later turn's (its history, once moved, moves with it), or a first turn's that
+        shares nothing placed (it costs the same prefill anywhere). Not a first turn's sent
+        to its preamble's or shared document's workers: sent away, it would copy that prefix
+        into one more cache, a cost to every request sharing it that this comparison misses."""
         speeds, size = view.speeds, blocks.size
         if worth_checking(view.owed, view.least, speeds, size):
             candidates = view.candidates
