@@ -428,7 +428,7 @@ BIG_SEQS, BIG_TOKENS = (64, 32, 48), 24
 
 def bigbatch(sizes: Sizes) -> Family:
     # Each step 50 ms (100 ms on the slow one): at 70% of capacity about 100 requests run
-    # at once, a third of the fleet's slots, several times the 8 the capacity gate assumes
+    # at once, about 70% of the fleet's 144 slots, several times the 8 the gate assumes
     # of a worker it knows nothing of (buckets.py PROBE_START) until it has seen it run more.
     fast, mid, slow = BIG_SEQS
     workers = (WorkerSpec(50, 50, fast), WorkerSpec(50, 50, mid), WorkerSpec(100, 100, slow))

@@ -64,8 +64,8 @@ def congested(
     size: int,
     uncached_of: Callable[[int], int],
 ) -> set[int] | None:
-    """The candidates a request of `size` prompt bytes (a later turn, or a first turn
-    sharing nothing placed: cache_aware.py) should leave for their backlog, counted per
+    """The candidates a request of `size` prompt bytes (a later turn, or a first turn with
+    no preamble: cache_aware.py) should leave for their backlog, counted per
     speed class (pace x weight to the fastest candidate's, rounded to a power of two, so
     one kind of GPU is one class whatever its learned paces). Candidate `j` is
     left out when its backlog exceeds what a typical candidate owes (the lower median) by

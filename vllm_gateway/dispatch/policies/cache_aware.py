@@ -36,9 +36,9 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    A shared start of the first user message (a document quoted for questions about
    it, few-shot examples; `_shared`) is a preamble too: the deepest block inside the key,
    a block or more past the system prompt, that is known (counted as a preamble among
-   the recent requests, or in the index) stands for it. A first turn that shares nothing
-   placed (no preamble, or one on every worker) leaves a home owing far more prefill
-   than the others, as a later turn does (`_leave_congested`).
+   the recent requests, or in the index) stands for it. A first turn with no preamble
+   (nothing shared to cache) leaves a home owing far more prefill than the others, as a
+   later turn does (`_leave_congested`).
 
 The load bound, per worker, is `LoadView.fits` (load_view.py says it and why). Rendezvous
 weighs by `weight` only (pace differs slightly between replicas; the order must not).
@@ -268,14 +268,14 @@ class CacheAware:
         sticky = blocks.continued
         best = self._preamble_home(view, blocks, preamble, share, shares, extra, sticky)
         step = self._step
-        if best is None:  # (nothing it shares is placed: none, or on every worker)
-            if not sticky and view.owed and view.congested is None:  # (a first turn)
+        if best is None:  # (no preamble, or one every candidate needs)
+            if not (sticky or preamble) and view.owed:  # a first turn with nothing shared
                 self._leave_congested(view, blocks, preamble)
             best, step = self._home(blocks.key, range(len(candidates)), view, extra, sticky), "home"
         if best is not None:
             info.placed = step
             return best
-        # Nobody within the bound (only where a figure is not finite): by load alone.
+        # Nobody within the bound (a figure not finite; a first turn's fits congested): by load.
         if congested := view.congested:
             candidates = [w for j, w in enumerate(candidates) if j not in congested]
         info.placed = "load"
@@ -431,10 +431,10 @@ class CacheAware:
 
     def _leave_congested(self, view: LoadView, blocks: PrefixBlocks, preamble: int) -> None:
         """Mark the candidates a request should leave for their prefill backlog (backlog.py):
-        a later turn's (its history, once moved, moves with it), or a first turn's that
-        shares nothing placed (it costs the same prefill anywhere). Not a first turn's sent
-        to its preamble's or shared document's workers: sent away, it would copy that prefix
-        into one more cache, a cost to every request sharing it that this comparison misses."""
+        a later turn's (its history, once moved, moves with it), or a first turn's with no
+        preamble (it costs the same prefill anywhere). Not a first turn's with a preamble or
+        shared document: sent away from their workers, it would copy that prefix into one
+        more cache, a cost to every request sharing it that this comparison misses."""
         speeds, size = view.speeds, blocks.size
         if worth_checking(view.owed, view.least, speeds, size):
             candidates = view.candidates
