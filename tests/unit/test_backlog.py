@@ -4,6 +4,7 @@ turn leaves, measured from what a typical candidate owes."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -67,3 +68,69 @@ def test_a_holder_that_evicts_is_left_behind_about_one_prompt():
     ws[3].backlog = SIZE + 1
     assert congested(ws, [1, 1, 1, 1], SIZE, lambda j: SIZE) == {3}
     assert congested(ws, [1, 1, 1, 1], SIZE, lambda j: OWN) is None
+
+
+def _reference(ws, speeds, size, uncached_of):
+    """The rule as first written (log2, round, pow per candidate): the oracle the faster
+    form must agree with."""
+    top = max(speeds)
+    owed = [
+        w.backlog * 2.0 ** min(30, round(math.log2(top / s))) if s > 0 else math.inf
+        for w, s in zip(ws, speeds, strict=True)
+    ]
+    finite = sorted(x for x in owed if x != math.inf)
+    if not finite:
+        return None
+    typical = finite[(len(finite) - 1) // 2]
+    out = {
+        j
+        for j, x in enumerate(owed)
+        if x > typical + size and x > typical + 2 * size - uncached_of(j)
+    }
+    return out or None
+
+
+@pytest.mark.parametrize(
+    ("ratio", "factor"),
+    [
+        (1.0, 1.0),
+        (1.4, 1.0),  # under sqrt(2): the fastest class
+        (1.42, 2.0),
+        (2.0, 2.0),
+        (2.8, 2.0),
+        (2.9, 4.0),
+        (2.0**29.4, 2.0**29),
+        (2.0**29.6, 2.0**30),  # the cap
+        (1e20, 2.0**30),
+        (math.inf, 2.0**30),
+    ],
+)
+def test_a_speed_class_is_the_ratio_rounded_to_a_power_of_two_and_capped(ratio, factor):
+    """A candidate `ratio` times slower than the fastest: its backlog counts `factor` times.
+    Seen through the rule: it is left exactly when its backlog x factor passes the limit."""
+    ws = [Worker(f"http://10.0.0.{i}:8000", models=("m",)) for i in range(3)]
+    slow = 1.0 / ratio if ratio != math.inf else 5e-324
+    ws[2].backlog = math.floor(LIMIT / factor)  # x factor: at most LIMIT, so not left
+    assert congested(ws, [1.0, 1.0, slow], SIZE, lambda j: OWN) is None
+    ws[2].backlog = math.floor(LIMIT / factor) + 1
+    assert congested(ws, [1.0, 1.0, slow], SIZE, lambda j: OWN) == {2}
+
+
+def test_the_fast_form_agrees_with_the_rule_as_first_written():
+    """Random fleets (backlogs, paces over six speed classes, some of weight 0, some
+    holding part of the prompt): the same candidates left as by log2, round and pow."""
+    rng = random.Random(7)
+    for _ in range(3000):
+        n = rng.randint(1, 12)
+        ws = [Worker(f"http://10.0.0.{i}:8000", models=("m",)) for i in range(n)]
+        for w in ws:
+            w.backlog = rng.choice([0, rng.randrange(0, 20 * SIZE)])
+        speeds = [rng.choice([0.0, 1.0]) * 2.0 ** rng.uniform(-6, 0) for _ in ws]
+        if rng.random() < 0.7:  # mostly no weight 0 (the fast form)
+            speeds = [s or 1.0 for s in speeds]
+        own = [rng.choice([SIZE, OWN, 0]) for _ in ws]
+        expected = _reference(ws, speeds, SIZE, own.__getitem__)
+        assert congested(ws, speeds, SIZE, own.__getitem__) == expected
+        # None: each would prefill the whole prompt.
+        whole = _reference(ws, speeds, SIZE, lambda j: SIZE)
+        assert congested(ws, speeds, SIZE, None) == whole

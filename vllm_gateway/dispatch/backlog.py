@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from math import frexp
 
 from vllm_gateway.dispatch.prefix_hash import BLOCK_BYTES, PrefixBlocks
 from vllm_gateway.dispatch.prefix_index import PrefixIndex
@@ -23,6 +24,9 @@ from vllm_gateway.workers import Worker
 # Speed classes are powers of two of the speed ratio, capped (a weight near 0 would
 # overflow log2 and pow; past this a class says nothing more).
 MAX_CLASS = 30
+POW2 = tuple(2.0**k for k in range(MAX_CLASS + 1))  # each class's multiplier
+LIMIT = 2.0 ** (MAX_CLASS - 0.5)  # the ratio past which a class rounds to MAX_CLASS
+SQRT2 = math.sqrt(2.0)
 
 
 def uncached(
@@ -54,7 +58,9 @@ def worth_checking(owed: float, least: float, speeds: Sequence[float], size: int
     backlog `owed`, at the largest speed class, past the least by more than `size` (a
     typical candidate owes at least the least). A speed class is at most 1.5x the ratio it
     rounds; speed 0 (weight 0) never counts."""
-    low = min((x for x in speeds if x > 0), default=0.0)
+    low = min(speeds)
+    if low <= 0:  # (rare: a candidate of weight 0)
+        low = min((x for x in speeds if x > 0), default=0.0)
     return low > 0 and owed * 1.5 * max(speeds) / low - least > size
 
 
@@ -62,41 +68,47 @@ def congested(
     candidates: Sequence[Worker],
     speeds: Sequence[float],
     size: int,
-    uncached_of: Callable[[int], int],
+    uncached_of: Callable[[int], int] | None,
 ) -> set[int] | None:
-    """The candidates a request of `size` prompt bytes (a later turn, or a first turn with
-    no preamble: cache_aware.py) should leave for their backlog, counted per
-    speed class (pace x weight to the fastest candidate's, rounded to a power of two, so
-    one kind of GPU is one class whatever its learned paces). Candidate `j` is
-    left out when its backlog exceeds what a typical candidate owes (the lower median) by
-    more than moving costs: the whole prompt prefilled elsewhere (`size`, the turn's own
-    wait there), plus the work the move adds to that worker's queue for the requests
-    behind it (`size - uncached_of(j)`: what `j` would not have had to prefill). So a
-    holder that has the history is left only behind about two prompts' worth more prefill
-    than elsewhere, one that evicts it behind one. The typical candidate, not the least:
-    the turn goes to its key's home among the rest (cache_aware.py), which may owe up to
-    a prompt more than the least (past that, one without the history is left out too), so
-    from the least a move could save next to nothing while paying what this comparison
-    does not count (the history copied into one more cache, its old copy dead); when
-    every worker is busy prefilling, one owing nothing for a moment moved many histories
-    (docs/dispatch.md "The prefill backlog"). None when there are none."""
+    """The candidates a request of `size` prompt bytes (a later turn, or a first turn
+    with no preamble: cache_aware.py) should leave for their backlog, counted per speed
+    class (pace x weight to the fastest candidate's, rounded to a power of two, so one
+    kind of GPU is one class whatever its learned paces). Candidate `j` is left out when
+    its backlog exceeds what a typical candidate owes (the lower median) by more than
+    moving costs: the whole prompt prefilled elsewhere (`size`, the turn's own wait
+    there), plus the work the move adds to that worker's queue for the requests behind
+    it (`size - uncached_of(j)`: what `j` would not have had to prefill; no
+    `uncached_of`: none holds any of it). So a holder that has the history is left only
+    behind about two prompts' worth more prefill than elsewhere, one that evicts it
+    behind one. The typical candidate, not the least: the turn goes to its key's home
+    among the rest (cache_aware.py), which may owe up to a prompt more than the least
+    (past that, one without the history is left out too), so from the least a move could
+    save next to nothing while paying what this comparison does not count (the history
+    copied into one more cache, its old copy dead); when every worker is busy
+    prefilling, one owing nothing for a moment moved many histories (docs/dispatch.md
+    "The prefill backlog"). None when there are none."""
     top = max(speeds)
-    owed = []
-    for j, w in enumerate(candidates):
-        speed = speeds[j]
-        if speed > 0:
-            ratio = top / speed  # >= 1
-            k = min(MAX_CLASS, round(math.log2(ratio))) if ratio < 2.0**MAX_CLASS else MAX_CLASS
-            owed.append(w.backlog * 2.0**k)
-        else:  # weight 0: never chosen but as a last resort; owes nothing comparable
-            owed.append(math.inf)
-    finite = sorted(x for x in owed if x != math.inf)
-    if not finite:
+    # A class, round(log2(top / speed)), is the exponent of top / speed x sqrt(2) less one
+    # (frexp: m x 2^e, m in [0.5, 1)): one C call, not log2, round and pow.
+    pairs = zip(candidates, speeds, strict=True)
+    if min(speeds) * LIMIT > top:  # (most requests: none of weight 0, no class past the cap)
+        scaled = top * SQRT2
+        owed = [w.backlog * POW2[frexp(scaled / s)[1] - 1] for w, s in pairs]
+        ordered = sorted(owed)
+    else:
+        owed = [w.backlog * _class(top / s) if s > 0 else math.inf for w, s in pairs]
+        # (weight 0: never chosen but as a last resort; owes nothing comparable)
+        ordered = sorted(x for x in owed if x != math.inf)
+    if not ordered:
         return None
-    typical = finite[(len(finite) - 1) // 2]
-    out = {
-        j
-        for j, x in enumerate(owed)
-        if x > typical + size and x > typical + 2 * size - uncached_of(j)
-    }
+    bar = ordered[(len(ordered) - 1) // 2] + size  # the typical candidate's, plus the prompt
+    if uncached_of is None:  # every candidate would prefill the whole prompt
+        out = {j for j, x in enumerate(owed) if x > bar}
+    else:
+        out = {j for j, x in enumerate(owed) if x > bar and x > bar + size - uncached_of(j)}
     return out or None
+
+
+def _class(ratio: float) -> float:
+    """2 ** round(log2(ratio)) for a speed ratio >= 1, capped at 2 ** MAX_CLASS."""
+    return POW2[frexp(ratio * SQRT2)[1] - 1] if ratio < LIMIT else POW2[MAX_CLASS]

@@ -437,10 +437,9 @@ class CacheAware:
         more cache, a cost to every request sharing it that this comparison misses."""
         speeds, size = view.speeds, blocks.size
         if worth_checking(view.owed, view.least, speeds, size):
-            candidates = view.candidates
-            view.congested = congested_of(
-                candidates, speeds, size, lambda j: self._uncached(candidates[j], blocks, preamble)
-            )
+            c, known = view.candidates, preamble or self._holders  # (else each prefills it all)
+            of = (lambda j: self._uncached(c[j], blocks, preamble)) if known else None
+            view.congested = congested_of(c, speeds, size, of)
 
     def _slack(
         self, j: int, candidates: Sequence[Worker], extra: tuple[float, float, int]
