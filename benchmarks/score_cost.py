@@ -10,6 +10,10 @@ Cases: 4 and 64 workers; a short single-turn chat prompt (~0.2 KB) and a convers
 whose turn is 8 KB (a 1.5 KB system prompt, then history). Each figure is the median of
 --runs runs of CPU time (process_time) over many dispatches, in microseconds; `queue` was
 the default before `cache_aware`, so the difference is what the new default adds.
+
+`cache_aware, owing` is the same with every worker owing a prefill backlog (0-40 KB of
+prompt not yet answered, `Worker.backlog`): the backlog rule (dispatch/backlog.py) then
+runs for every request, its worst case.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ POLICIES = ("round_robin", "queue", "cache_aware")
 SYSTEM = "You are a careful assistant who answers in full sentences. " * 26  # ~1.5 KB
 
 
-def _fleet(n: int) -> WorkerRegistry:
+def _fleet(n: int, owing: bool = False) -> WorkerRegistry:
     registry = WorkerRegistry()
     rng = random.Random(n)
     for i in range(n):
@@ -41,6 +45,8 @@ def _fleet(n: int) -> WorkerRegistry:
         registry.set_state(w, WorkerState.READY, "bench")
         w.pace = 0.5 + rng.random()
         registry.set_stats(w, EngineStats(rng.randrange(8), 0, 0.3, time.monotonic()))
+        if owing:  # prompt bytes sent and not yet answered (the lease adds and takes off)
+            w.backlog = rng.randrange(40_000)
     return registry
 
 
@@ -63,9 +69,11 @@ def _bodies(conversations: int, size: int) -> list[bytes]:
     return out
 
 
-async def _dispatch_cpu(policy_name: str, workers: int, size: int, count: int) -> float:
+async def _dispatch_cpu(
+    policy_name: str, workers: int, size: int, count: int, owing: bool = False
+) -> float:
     """CPU microseconds per dispatch (lease in and out) for `count` dispatches."""
-    registry = _fleet(workers)
+    registry = _fleet(workers, owing)
     policy = make_policy(policy_name, random.Random(1), DispatchConfig())
     dispatcher = Dispatcher(registry, policy, config=DispatchConfig())
     bodies = _bodies(512, size)
@@ -93,25 +101,29 @@ def mode_score(args: argparse.Namespace, router_bin: str | None) -> dict:
     count = 20_000
     results: dict[str, float] = {}
     print("\n## score: CPU per dispatch (lease in and out, prefix hashes included), µs")
-    header = "policy".ljust(14) + "".join(
+    header = "policy".ljust(28) + "".join(
         f"{w} workers {s // 1024 or s}{'KB' if s >= 1024 else 'B'}".rjust(18) for w, s in cases
     )
     print(header)
-    for name in POLICIES:
-        row = name.ljust(14)
+    for name, owing in [(p, False) for p in POLICIES] + [("cache_aware", True)]:
+        label = f"{name}, owing" if owing else name
+        row = label.ljust(28)
         for workers, size in cases:
             runs = [
-                asyncio.run(_dispatch_cpu(name, workers, size, count)) for _ in range(args.runs)
+                asyncio.run(_dispatch_cpu(name, workers, size, count, owing))
+                for _ in range(args.runs)
             ]
             figure = statistics.median(runs)
-            results[f"{name}/{workers}/{size}"] = figure
+            results[f"{label}/{workers}/{size}"] = figure
             row += f"{figure:18.2f}"
         print(row)
-    for workers, size in cases:
-        added = results[f"cache_aware/{workers}/{size}"] - results[f"queue/{workers}/{size}"]
-        results[f"added/{workers}/{size}"] = added
-    print(
-        "cache_aware - queue:".ljust(14)
-        + "".join(f"{results[f'added/{w}/{s}']:18.2f}" for w, s in cases)
-    )
+    for label in ("cache_aware", "cache_aware, owing"):
+        key = "added" if label == "cache_aware" else "added owing"
+        for workers, size in cases:
+            added = results[f"{label}/{workers}/{size}"] - results[f"queue/{workers}/{size}"]
+            results[f"{key}/{workers}/{size}"] = added
+        print(
+            f"{label} - queue:".ljust(28)
+            + "".join(f"{results[f'{key}/{w}/{s}']:18.2f}" for w, s in cases)
+        )
     return results

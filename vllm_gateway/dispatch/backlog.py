@@ -104,8 +104,9 @@ def congested(
     bar = ordered[(len(ordered) - 1) // 2] + size  # the typical candidate's, plus the prompt
     if uncached_of is None:  # every candidate would prefill the whole prompt
         out = {j for j, x in enumerate(owed) if x > bar}
-    else:
-        out = {j for j, x in enumerate(owed) if x > bar and x > bar + size - uncached_of(j)}
+    else:  # (past bar + size, left whatever it holds: uncached_of only between)
+        far = bar + size
+        out = {j for j, x in enumerate(owed) if x > far or (x > bar and x > far - uncached_of(j))}
     return out or None
 
 
