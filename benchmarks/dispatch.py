@@ -58,7 +58,7 @@ from benchmarks.systems import (
     stop,
     worker_logs,
 )
-from benchmarks.traffic import Played, play
+from benchmarks.traffic import APIS, Played, play
 from benchmarks.workload import WorkerSpec
 from vllm_gateway.http.server import new_event_loop
 
@@ -97,7 +97,7 @@ async def drive(family: Family, urls: list[str], workers: list[str], seed: int,
         async def at_measure() -> None:
             before.append(await cache_counters(scrape, workers))
 
-        played = await play(urls, conversations, args.warmup, args.drain, at_measure)
+        played = await play(urls, conversations, args.warmup, args.drain, at_measure, args.api)
         after = await cache_counters(scrape, workers)
         churn = {}
         if gateway and args.placements:  # each replica plans alone: their moves add up
@@ -186,6 +186,13 @@ def parse_args() -> argparse.Namespace:
                     help="fake workers keep a request waiting while its prompt's KV blocks "
                     "do not fit, as vLLM does (default: they over-commit, as the families "
                     "were made)")  # fmt: skip
+    ap.add_argument(
+        "--api",
+        choices=APIS,
+        default="chat",
+        help="chat: /v1/chat/completions with messages (default); completions:\n"
+        "/v1/completions, each turn's messages rendered as one prompt string",
+    )
     ap.add_argument("--router", help="vllm-router executable (default: bench-out venv or PATH)")
     ap.add_argument("--no-router", action="store_true", help="run the gateway only")
     ap.add_argument("--min-idle", type=float, default=0.5,
@@ -212,7 +219,7 @@ def run_all(
     results: dict[str, dict[str, list[dict]]] = {
         f.name: {s.name: [] for s in chosen} for f in families
     }
-    key = report.doc_key("families", args.replicas, args.gateway_processes, args.kv_wait)
+    key = report.doc_key("families", args.replicas, args.gateway_processes, args.kv_wait, args.api)
     key = key.replace(" ", "-")
     raw = OUT / f"dispatch-{key}.json"
     for run in range(args.runs):
@@ -250,10 +257,13 @@ def main() -> None:
         lines = report.table(results[family.name], kinds, args.runs)
         processes = args.gateway_processes
         kv = args.kv_wait
-        block = report.section(family.name, args.replicas, setup, args.runs, lines, processes, kv)
+        block = report.section(
+            family.name, args.replicas, setup, args.runs, lines, processes, kv, args.api
+        )
         print("\n" + "\n".join(block), flush=True)
         if not args.no_doc:
-            report.write_doc(report.doc_key(family.name, args.replicas, processes, kv), block)
+            key = report.doc_key(family.name, args.replicas, processes, kv, args.api)
+            report.write_doc(key, block)
 
 
 if __name__ == "__main__":

@@ -82,8 +82,11 @@ def section(
     lines: list[str],
     processes: int = 1,
     kv_wait: bool = False,
+    api: str = "chat",
 ) -> list[str]:
     title = f"#### {family}" + (f", {replicas} replicas of each system" if replicas > 1 else "")
+    if api != "chat":
+        title += ", each turn a `/v1/completions` prompt (`--api completions`)"
     if processes > 1:
         title += f", the gateway as `serve --processes {processes}`"
     if kv_wait:
@@ -91,11 +94,13 @@ def section(
     return [title, "", f"Setup: {setup}; median of {runs} runs.", "", *lines]
 
 
-def doc_key(family: str, replicas: int, processes: int = 1, kv_wait: bool = False) -> str:
+def doc_key(
+    family: str, replicas: int, processes: int = 1, kv_wait: bool = False, api: str = "chat"
+) -> str:
     """The doc block's name: family, replicas, and the gateway's processes when not 1,
-    and `kv` for workers that wait for KV blocks."""
+    `kv` for workers that wait for KV blocks, and the API when not chat."""
     key = f"{family} r{replicas}" + (f" p{processes}" if processes > 1 else "")
-    return key + (" kv" if kv_wait else "")
+    return key + (" kv" if kv_wait else "") + (f" {api}" if api != "chat" else "")
 
 
 def write_doc(key: str, lines: list[str]) -> None:

@@ -5,6 +5,13 @@ answer plus its think time, with the system prompt, the whole history (the answe
 they came back) and the new user message. Requests alternate between the system's
 entry URLs (one per replica), as an L4 balancer in front of them would.
 
+With `api="completions"` each turn is a `/v1/completions` request instead: the same
+messages rendered as one prompt string by a plain template (`role: content` lines, then
+`assistant:`), as a client that applies its own chat template sends them (vLLM's
+`benchmark_serving`, completion-only model servers). The router and the gateway then see
+no message structure: which part is the system prompt, which the conversation, is theirs
+to find.
+
 TTFT and end-to-end time count from the moment a turn was due, so a late client,
 gateway or router counts against the system. A turn that is not answered in full
 (status, no [DONE], no content, connection error, or not done within `drain` seconds
@@ -24,8 +31,14 @@ import orjson
 
 from benchmarks.workload import MODEL, Conversation, Turn
 
-_CONTENT = re.compile(rb'"content":"((?:[^"\\]|\\.)*)"')
-_FIRST = re.compile(rb'"content":"[^"]')  # a token, not the role event's empty content
+_CONTENT = re.compile(rb'"(?:content|text)":"((?:[^"\\]|\\.)*)"')
+_FIRST = re.compile(rb'"(?:content|text)":"[^"]')  # a token, not the role event's empty content
+APIS = ("chat", "completions")
+
+
+def render(messages: list[dict]) -> str:
+    """The completion prompt of chat `messages`: a line per message, then the answer's cue."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
 
 
 @dataclass
@@ -51,9 +64,11 @@ class Played:
 class Player:
     """Sends conversations to `urls` (in turn) over one client session."""
 
-    def __init__(self, session: aiohttp.ClientSession, urls: list[str]) -> None:
+    def __init__(self, session: aiohttp.ClientSession, urls: list[str], api: str = "chat") -> None:
         self.session = session
-        self._urls = itertools.cycle([u + "/v1/chat/completions" for u in urls])
+        self.api = api
+        path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
+        self._urls = itertools.cycle([u + path for u in urls])
 
     async def turn(
         self, conv: Conversation, history: list[dict], turn: Turn, sample: Sample, name: str
@@ -63,9 +78,12 @@ class Player:
         loop = asyncio.get_running_loop()
         messages = [{"role": "system", "content": conv.system}, *history]
         messages.append({"role": "user", "content": turn.user})
-        body = orjson.dumps(
-            {"model": MODEL, "stream": True, "max_tokens": turn.max_tokens, "messages": messages}
-        )
+        request = {"model": MODEL, "stream": True, "max_tokens": turn.max_tokens}
+        if self.api == "chat":
+            request["messages"] = messages
+        else:
+            request["prompt"] = render(messages)
+        body = orjson.dumps(request)
         # The request id names the conversation and the turn, so the gateway's access log
         # and the workers' request logs say where each turn of each conversation went.
         rid = f"{name}-t{len(history) // 2}"
@@ -117,6 +135,7 @@ async def play(
     warmup: float,
     drain: float,
     at_measure: Callable[[], Awaitable[None]],
+    api: str = "chat",
 ) -> Played:
     """Play `conversations`; those starting before `warmup` s are not measured.
 
@@ -127,7 +146,7 @@ async def play(
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        player = Player(session, urls)
+        player = Player(session, urls, api)
         t0 = loop.time() + 0.2
         tasks = [
             asyncio.create_task(player.conversation(c, t0, c.start >= warmup, out, n))

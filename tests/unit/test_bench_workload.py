@@ -28,6 +28,7 @@ from benchmarks.families import (
     ragchat,
 )
 from benchmarks.placements import brief, count, moved, plan_moves, prefill, prefill_brief
+from benchmarks.traffic import render
 from benchmarks.workload import WorkerSpec, bursts, poisson
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
 
@@ -292,3 +293,19 @@ def test_plan_moves_sums_models_and_takes_one_process_of_each() -> None:
     )
     assert plan_moves(page) == 3 + 2 + 5
     assert plan_moves("") == 0
+
+
+def test_completions_render_a_turn_as_one_prompt_the_next_turn_extends():
+    """`--api completions`: each turn's messages as `role: content` lines and the answer's
+    cue, so the next turn's prompt starts with this one's and the answer (as the fake
+    worker caches them: prompt, then answer tokens)."""
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    assert render(first) == "system: Be brief.\nuser: Hi?\nassistant:"
+    second = [
+        *first,
+        {"role": "assistant", "content": " w0 w1"},
+        {"role": "user", "content": "So?"},
+    ]
+    assert render(second).startswith(render(first) + "  w0 w1\n")
+    assert doc_key("ragchat", 1, api="completions") == "ragchat r1 completions"
+    assert doc_key("ragchat", 1, api="chat") == "ragchat r1"
