@@ -117,8 +117,9 @@ def test_a_speed_class_is_the_ratio_rounded_to_a_power_of_two_and_capped(ratio, 
 
 
 def test_the_fast_form_agrees_with_the_rule_as_first_written():
-    """Random fleets (backlogs, paces over six speed classes, some of weight 0, some
-    holding part of the prompt): the same candidates left as by log2, round and pow."""
+    """Random fleets (backlogs, paces over six speed classes or within one, some of
+    weight 0, some holding part of the prompt): the same candidates left as by log2,
+    round and pow."""
     rng = random.Random(7)
     for _ in range(3000):
         n = rng.randint(1, 12)
@@ -126,8 +127,10 @@ def test_the_fast_form_agrees_with_the_rule_as_first_written():
         for w in ws:
             w.backlog = rng.choice([0, rng.randrange(0, 20 * SIZE)])
         speeds = [rng.choice([0.0, 1.0]) * 2.0 ** rng.uniform(-6, 0) for _ in ws]
-        if rng.random() < 0.7:  # mostly no weight 0 (the fast form)
+        if rng.random() < 0.7:  # mostly no weight 0 (the fast forms)
             speeds = [s or 1.0 for s in speeds]
+        if rng.random() < 0.3:  # one kind of worker: paces within a class
+            speeds = [2.0 ** rng.uniform(-0.49, 0) for _ in ws]
         own = [rng.choice([SIZE, OWN, 0]) for _ in ws]
         expected = _reference(ws, speeds, SIZE, own.__getitem__)
         assert congested(ws, speeds, SIZE, own.__getitem__) == expected

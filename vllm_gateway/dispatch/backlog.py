@@ -91,7 +91,11 @@ def congested(
     # A class, round(log2(top / speed)), is the exponent of top / speed x sqrt(2) less one
     # (frexp: m x 2^e, m in [0.5, 1)): one C call, not log2, round and pow.
     pairs = zip(candidates, speeds, strict=True)
-    if min(speeds) * LIMIT > top:  # (most requests: none of weight 0, no class past the cap)
+    low = min(speeds)
+    if low * SQRT2 > top:  # (one kind of worker: every class the fastest's, 2 ** 0)
+        owed: list[float] = [w.backlog for w in candidates]
+        ordered = sorted(owed)
+    elif low * LIMIT > top:  # (none of weight 0, no class past the cap)
         scaled = top * SQRT2
         owed = [w.backlog * POW2[frexp(scaled / s)[1] - 1] for w, s in pairs]
         ordered = sorted(owed)
