@@ -40,13 +40,14 @@ SYSTEM = "You are a careful assistant who answers in full sentences. " * 26  # ~
 def _fleet(n: int, owing: bool = False) -> WorkerRegistry:
     registry = WorkerRegistry()
     rng = random.Random(n)
+    owed = random.Random(n + 1)  # (its own stream: the same fleet owing or not)
     for i in range(n):
         w, _ = registry.add(f"http://127.0.{i // 250}.{i % 250 + 1}:8000", models=("m",))
         registry.set_state(w, WorkerState.READY, "bench")
         w.pace = 0.5 + rng.random()
         registry.set_stats(w, EngineStats(rng.randrange(8), 0, 0.3, time.monotonic()))
         if owing:  # prompt bytes sent and not yet answered (the lease adds and takes off)
-            w.backlog = rng.randrange(40_000)
+            w.backlog = owed.randrange(40_000)
     return registry
 
 

@@ -77,10 +77,10 @@ def congested(
     its backlog exceeds what a typical candidate owes (the lower median) by more than
     moving costs: the whole prompt prefilled elsewhere (`size`, the turn's own wait
     there), plus the work the move adds to that worker's queue for the requests behind
-    it (`size - uncached_of(j)`: what `j` would not have had to prefill; no
-    `uncached_of`: none holds any of it). So a holder that has the history is left only
-    behind about two prompts' worth more prefill than elsewhere, one that evicts it
-    behind one. The typical candidate, not the least: the turn goes to its key's home
+    it (`size - uncached_of(j)`: what `j` would not have had to prefill; `uncached_of(j)`
+    is at least 0, and None when none holds any of it). So a holder that has the history
+    is left only behind about two prompts' worth more prefill than elsewhere, one that
+    evicts it behind one. The typical candidate, not the least: the turn goes to its key's home
     among the rest (cache_aware.py), which may owe up to a prompt more than the least
     (past that, one without the history is left out too), so from the least a move could
     save next to nothing while paying what this comparison does not count (the history
