@@ -87,13 +87,12 @@ def congested(
     copied into one more cache, its old copy dead); when every worker is busy
     prefilling, one owing nothing for a moment moved many histories (docs/dispatch.md
     "The prefill backlog"). None when there are none."""
-    top = max(speeds)
+    top, low = max(speeds), min(speeds)
     # A class, round(log2(top / speed)), is the exponent of top / speed x sqrt(2) less one
     # (frexp: m x 2^e, m in [0.5, 1)): one C call, not log2, round and pow.
     pairs = zip(candidates, speeds, strict=True)
-    low = min(speeds)
     if low * SQRT2 > top:  # (one kind of worker: every class the fastest's, 2 ** 0)
-        owed: list[float] = [w.backlog for w in candidates]
+        owed: list[float] = [w.backlog for w, _ in pairs]
         ordered = sorted(owed)
     elif low * LIMIT > top:  # (none of weight 0, no class past the cap)
         scaled = top * SQRT2
