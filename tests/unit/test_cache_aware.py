@@ -333,48 +333,6 @@ def test_a_conversations_own_first_message_is_not_a_shared_start_on_its_later_tu
     assert p._shared(later, p.shares["m"].counts) == later.preamble
 
 
-@pytest.mark.parametrize("doc", range(4))
-def test_a_documents_next_questions_follow_its_first_copy_not_its_own_order(doc):
-    """A document's first question went where its own key said (nothing was known to be
-    shared); the next questions about it, the document now known, go to that worker
-    while it is within the load bound, not to the first of the document's own rendezvous
-    order (a second copy of it); with the fleet loaded past the bound there, to the next
-    of its order."""
-    ws = workers(4)
-    p = policy()
-    for i in range(100):  # other traffic first: the document is unplanned, its share small
-        p.select(ws, info(chat(f"hello {i}", system="Be brief.")))
-    first = p.select(ws, info(question(doc, 0)))
-    shared = prefix_blocks(question(doc, 1))
-    assert shared is not None and p._shared(shared, {}) != shared.preamble  # known now
-    ranks = p._ranks.cached(p._shared(shared, {}), ws)
-    own_first = ws[min(range(4), key=ranks.__getitem__)]
-    for i in range(1, 4):
-        assert p.select(ws, info(question(doc, i))) is first
-        assert p._step == "preamble"
-    for w in ws:  # the holder past its bound, the others idle
-        w.inflight = 0
-    first.inflight = 8
-    other = p.select(ws, info(question(doc, 9)))
-    assert other is not first
-    if own_first is not first:  # (each document, where its order and its copy differ)
-        assert other is own_first
-
-
-def test_some_documents_first_copy_is_not_the_first_of_its_own_order():
-    """(The test above is not vacuous: for some of its documents the two differ.)"""
-    differ = 0
-    for doc in range(4):
-        ws, p = workers(4), policy()
-        for i in range(100):
-            p.select(ws, info(chat(f"hello {i}", system="Be brief.")))
-        first = p.select(ws, info(question(doc, 0)))
-        name = p._shared(prefix_blocks(question(doc, 1)), {})  # type: ignore[arg-type]
-        ranks = p._ranks.cached(name, ws)
-        differ += ws[min(range(4), key=ranks.__getitem__)] is not first
-    assert differ >= 1
-
-
 def test_two_replicas_place_a_documents_questions_alike():
     """Requests alternating between two gateways: the name of a shared document is the
     same in both (CRC-32), and so are its share, plan and order."""

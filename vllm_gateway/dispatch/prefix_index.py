@@ -5,7 +5,6 @@
     index.deepest(blocks, candidates)  the candidates holding the longest prefix of `blocks`
     index.holds(h, worker)             whether `worker` holds hash `h` (e.g. a preamble's)
     index.known(h)                     whether any worker does
-    index.holders_first(order, cs, h)  candidates holding `h` first in an order
     index.forget_missing(present)      drop the workers that left the registry
 
 Per worker, the block names sent there (prefix_hash.py), with the preamble's CRC-32 as one
@@ -133,18 +132,6 @@ class PrefixIndex:
                 if found:
                     return found, depth
         return [], 0
-
-    def holders_first(self, order: list[int], candidates: Sequence[Worker], h: int) -> None:
-        """Put the indexes in `order` of the `candidates` holding hash `h` first (in place,
-        each group in its own order). cache_aware orders an unplanned shared start of the
-        user message (a document, few-shot examples) so: it is known as shared only from
-        its second request on, so its first went where that request's own key said; its
-        next ones follow it there rather than copy it to the first of its own order (the
-        document prefilled again, as much of that worker's cache evicted). A system
-        prompt is known from its first request, which went to the first of its order."""
-        holders = self._where.get(h)
-        if holders:
-            order.sort(key=lambda j: candidates[j] not in holders)
 
     def known(self, h: int) -> bool:
         """Whether some worker (whichever) was sent block hash `h` and holds it still."""

@@ -36,9 +36,9 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    A shared start of the first user message (a document quoted for questions about
    it, few-shot examples; `_shared`) is a preamble too: the deepest block inside the key,
    a block or more past the system prompt, that is known (counted as a preamble among
-   the recent requests, or in the index) stands for it; unplanned, its holders come first
-   in its order (`PrefixIndex.holders_first`). A first turn with no preamble (nothing
-   shared) leaves a home owing far more prefill than the others (`_leave_congested`).
+   the recent requests, or in the index) stands for it. A first turn with no preamble
+   (nothing shared to cache) leaves a home owing far more prefill than the others, as a
+   later turn does (`_leave_congested`).
 
 The load bound, per worker, is `LoadView.fits` (load_view.py says it and why). Rendezvous
 weighs by `weight` only (pace differs slightly between replicas; the order must not).
@@ -354,9 +354,8 @@ class CacheAware:
             want = wanted(share, weighted, self._bound)
             if want >= weighted:
                 return None
-            order = sorted(range(n), key=ranks_for(preamble, candidates).__getitem__)
-            if preamble != blocks.preamble:  # (a shared start: where its first copy went)
-                self.index.holders_first(order, candidates, preamble)
+            ranks = ranks_for(preamble, candidates)
+            order = sorted(range(n), key=ranks.__getitem__)
             planned = order[:want]
         best = self._home(key, planned, view, extra, sticky)
         if best is not None:
