@@ -333,6 +333,27 @@ def test_a_conversations_own_first_message_is_not_a_shared_start_on_its_later_tu
     assert p._shared(later, p.shares["m"].counts) == later.preamble
 
 
+def test_two_replicas_keep_a_conversation_about_an_unpopular_document_on_one_worker():
+    """A document too rare for the plan (each replica has seen it once, each placing that
+    question by its own key): a conversation about it whose turns alternate between the
+    two replicas stays on one worker, the first of the document's own order, which both
+    compute alike (not each replica's own copy of it: the index is a private guess)."""
+    for doc in range(4):
+        ws = workers(4)
+        one, other = policy(), policy()
+        for i in range(100):  # other traffic: the document stays far below the plan's share
+            one.select(ws, info(chat(f"hello {i}", system="Be brief.")))
+            other.select(ws, info(chat(f"hey {i}", system="Be brief.")))
+        one.select(ws, info(question(doc, 0)))
+        other.select(ws, info(question(doc, 1)))
+        turns = [f"{DOCUMENTS[doc]}\n\nQuestion 77: what does it say?"]
+        where = set()
+        for t in range(6):
+            where.add(((one, other)[t % 2]).select(ws, info(chat(*turns, system="Be brief."))))
+            turns += [f"answer {t} " * 50, f"follow-up {t}"]
+        assert len(where) == 1, (doc, where)
+
+
 def test_two_replicas_place_a_documents_questions_alike():
     """Requests alternating between two gateways: the name of a shared document is the
     same in both (CRC-32), and so are its share, plan and order."""
