@@ -133,6 +133,8 @@ def _chat(messages: list[Any]) -> tuple[bytes, int, int, bool] | None:
     whole = key == len(messages)
     try:
         data = orjson.dumps(messages)
+        if whole and len(data) < BLOCK_BYTES:  # no block and no preamble: the key alone
+            return data, 0, len(data) - 1, False
         # The JSON of the first k messages is the whole's prefix but for its "]": "[", then
         # the messages joined by ",", so it ends at k + their lengths summed. Each of the
         # key's messages is dumped once more (not the key and the preamble, each whole).

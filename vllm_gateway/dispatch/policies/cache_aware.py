@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from vllm_gateway.config.gateway import DispatchConfig
 from vllm_gateway.dispatch.backlog import congested as congested_of
@@ -233,12 +233,14 @@ class CacheAware:
     ) -> Worker | None:
         holders, depth = self.index.deepest(blocks.blocks, candidates)
         self._holders, self._depth = holders, depth
-        roomy = self._with_kv_room(candidates, blocks, preamble)
-        if roomy is not candidates:
-            candidates, holders = roomy, [w for w in holders if w in roomy]
-            depth = depth if holders else 0
-            self._holders, self._depth = holders, depth
         view = LoadView.of(candidates)
+        if view is None or view.kv_least * BYTES_PER_TOKEN < blocks.size:  # (seldom)
+            roomy = self._with_kv_room(candidates, blocks, preamble)
+            if len(roomy) < len(candidates):
+                candidates, holders = roomy, [w for w in holders if w in roomy]
+                depth = depth if holders else 0
+                self._holders, self._depth = holders, depth
+                view = LoadView.of(candidates)
         if view is None:  # all of weight 0 (or nonsense): by load alone
             info.placed = "load"
             return self._fallback.select(candidates, info)
@@ -288,9 +290,6 @@ class CacheAware:
         (`has_kv_room`); all of them when none does. Elsewhere vLLM keeps it waiting for
         blocks, and every request behind it: copying a document or a history into a full
         cache stalls a worker, where its holder would have prefilled a few blocks."""
-        size = blocks.size
-        if all(w.kv_free * BYTES_PER_TOKEN >= size for w in candidates):
-            return candidates  # (most requests: room for the whole prompt everywhere)
         roomy = [w for w in candidates if has_kv_room(w, self._uncached(w, blocks, preamble))]
         return roomy or candidates
 
@@ -403,7 +402,7 @@ class CacheAware:
     def _home(
         self,
         key: int,
-        among: Iterable[int],
+        among: Sequence[int],
         view: LoadView,
         extra: float | tuple[float, float, int],
         sticky: bool = False,
@@ -412,10 +411,9 @@ class CacheAware:
         within its load limit (`LoadView.fits`; `extra`: a number, or (extra, for holders of
         the preamble, the preamble)). `sticky`: a candidate with a batch slot free
         (`LoadView.has_room`) needs nothing more."""
-        best, best_rank = None, math.inf
-        seeds, seed_of = self._ranks.seeds, self._ranks.seed
-        candidates = view.candidates
-        congested = view.congested or ()
+        best, best_rank, seeds, seed_of = None, math.inf, self._ranks.seeds, self._ranks.seed
+        candidates, congested = view.candidates, view.congested or ()
+        alone = len(among) == 1  # (a conversation's one holder, most often: no order to take)
         for j in among:
             if j in congested:
                 continue
@@ -424,6 +422,8 @@ class CacheAware:
                 e = extra if isinstance(extra, float) else self._slack(j, candidates, extra)
                 if not view.fits(j, e):
                     continue
+            if alone:
+                return w
             rank = rendezvous_rank(key, w, seeds.get(w.url) or seed_of(w))
             if rank < best_rank:
                 best, best_rank = w, rank

@@ -28,6 +28,7 @@ class LoadView:
     __slots__ = (
         "candidates",
         "congested",
+        "kv_least",
         "least",
         "loads",
         "owed",
@@ -40,11 +41,11 @@ class LoadView:
     def of(cls, candidates: Sequence[Worker]) -> LoadView | None:
         """The view of `candidates`, in one pass (this runs for every request, 64 workers
         or more); None when their speeds sum to nothing finite (all of weight 0)."""
-        loads = []
-        speeds = []
+        loads: list[float] = []
+        speeds: list[float] = []
         best_pace = 0.0
-        owed = 0  # the largest prefill backlog (Worker.backlog), and the least
-        least = math.inf
+        owed = 0.0  # the largest prefill backlog (Worker.backlog), and the least
+        least = kv_least = math.inf  # and the fewest free KV tokens (Worker.kv_free)
         for w in candidates:
             loads.append(load(w))
             pace = w.pace
@@ -56,6 +57,8 @@ class LoadView:
                 owed = backlog
             if backlog < least:
                 least = backlog
+            if w.kv_free < kv_least:
+                kv_least = w.kv_free
         if 0.0 in speeds:  # a worker without a pace yet counts with the best one
             best_pace = best_pace or 1.0
             speeds = [(w.pace or best_pace) * w.weight for w in candidates]
@@ -67,19 +70,27 @@ class LoadView:
         # lightly loaded (a few requests over an even split matter nothing to a worker
         # with room for many; they matter once it nears its capacity). History gets twice
         # the slack.
-        view = cls(candidates, loads, speeds, (sum(loads) + 1.0) / total_speed)
-        view.owed, view.least = owed, least
-        return view
+        return cls(
+            candidates, loads, speeds, (sum(loads) + 1.0) / total_speed, owed, least, kv_least
+        )
 
     def __init__(
-        self, candidates: Sequence[Worker], loads: list[float], speeds: list[float], per: float
+        self,
+        candidates: Sequence[Worker],
+        loads: list[float],
+        speeds: list[float],
+        per: float,
+        owed: float,
+        least: float,
+        kv_least: float,
     ) -> None:
         self.candidates = candidates
         self.loads = loads
         self.speeds = speeds
         self.per_speed = per  # the fair load per unit of speed, this request included
-        self.owed = 0  # the largest and the least prefill backlog of the candidates
-        self.least = 0.0
+        self.owed = owed  # the largest and the least prefill backlog of the candidates
+        self.least = least
+        self.kv_least = kv_least  # the fewest free KV tokens of the candidates (Worker.kv_free)
         # Indexes of the candidates whose prefill backlog rules them out (backlog.py).
         self.congested: set[int] | None = None
         # The candidates the gate would let past their probing limit as this request's
