@@ -1166,6 +1166,19 @@ def test_only_a_later_turn_stretches_a_guessed_limit():
     assert not p.stretches(info({"model": "m", "prompt": [1, 2, 3]}))
 
 
+def test_a_conversation_leaves_its_one_holder_once_that_is_set_to_weight_0() -> None:
+    # Weight 0 is a last resort: the one holder of a history is not taken at that weight
+    # (the shortcut that skips the rendezvous rank for a lone holder must not skip that).
+    ws = workers(2)
+    policy = CacheAware(random.Random(0))
+    first = policy.select(ws, info(no_system("hello there")))
+    assert first is not None
+    first.weight = 0.0
+    turn = info(no_system("hello there", "hi!", "second turn"))
+    assert policy.select(ws, turn) is not first
+    assert turn.placed != "history"
+
+
 @pytest.mark.parametrize(
     ("home_free", "other_free", "goes_home"),
     [

@@ -121,8 +121,8 @@ class PrefixBlocks:
 def _chat(messages: list[Any]) -> tuple[bytes, int, int, bool] | None:
     """The messages as bytes (their JSON, as orjson writes it: the same messages always
     give the same bytes, whatever the client's spacing), where the preamble (the messages
-    before the first user message) ends in them, where the key ends, and whether messages
-    follow the key (a later turn)."""
+    before the first user message) ends in them (0 for a chat shorter than a block: it has
+    none), where the key ends, and whether messages follow the key (a later turn)."""
     if not messages:
         return None
     key = len(messages)  # no user message: all of it is the key

@@ -422,7 +422,7 @@ class CacheAware:
                 e = extra if isinstance(extra, float) else self._slack(j, candidates, extra)
                 if not view.fits(j, e):
                     continue
-            if alone:
+            if alone and w.weight > 0:  # (weight 0: a last resort; its rank is inf)
                 return w
             rank = rendezvous_rank(key, w, seeds.get(w.url) or seed_of(w))
             if rank < best_rank:

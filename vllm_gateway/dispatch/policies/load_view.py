@@ -23,7 +23,8 @@ from vllm_gateway.workers import Worker
 
 
 class LoadView:
-    """The candidates of one request with their loads and speeds: who fits one more."""
+    """The candidates of one request with their loads and speeds: who fits one more. It
+    also keeps their least and largest prefill backlog and their fewest free KV tokens."""
 
     __slots__ = (
         "candidates",
