@@ -1,7 +1,7 @@
 """Dispatch under workload families: the gateway's policies beside vllm-router's.
 
 For each family (benchmarks/families.py: hetero, multiturn, burst, longtail, docqa,
-agent, docchat, longchat, ragchat, bigbatch, longprompt) and each system (vllm-router
+agent, docchat, longchat, ragchat, bigbatch, longprompt, gpumix) and each system (vllm-router
 with `cache_aware` and `power_of_two` when it is installed; the gateway with each of
 --policies), one
 measurement starts fresh fake workers (each its own process, with an empty prefix

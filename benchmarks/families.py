@@ -38,6 +38,10 @@
     bigbatch   3 workers with large batches (max_num_seqs 64, 32 and 48, the last at half
                speed); short chat at --load of capacity, about 100 requests running at
                once: a fleet far past the few slots the capacity gate assumes at first.
+    gpumix     4 workers of two GPU generations: 2 fast with large KV caches, 2 at half
+               speed with a third of their cache; 70 conversations under one of 10
+               context documents (Zipf 1) as system prompt: each worker's share of the
+               documents has to fit its own cache.
     longprompt 4 workers of mixed speed (3 fast, 1 at half speed) with a prefill cost; single
                requests each reading its own long text (log-normal, median 800 tokens, up to
                4000) at --load of capacity: nothing to reuse, prefill-bound, where a long
@@ -421,6 +425,49 @@ def ragchat(sizes: Sizes) -> Family:
     return Family("ragchat", workers, setup, build)
 
 
+# gpumix's shape: a fleet of two GPU generations, as fleets grow: two large, fast workers
+# and two small, slow ones with a third of their KV cache (an H100 beside an L4 holds
+# several times the blocks). Conversations under context documents sent as system
+# prompts, lightly loaded: where each document lives has to fit each worker's cache.
+MIX_DOCS, MIX_DOC_WORDS, MIX_ZIPF, MIX_CONVERSATIONS, MIX_TURNS = 10, 1000, 1.0, 70, (3, 8)
+MIX_USER_WORDS, MIX_ANSWER_TOKENS, MIX_THINK, MIX_PREFILL_MS_PER_TOKEN = 30, 40, 1.2, 0.2
+MIX_BIG = 3  # a large worker's KV blocks per small worker's
+
+
+def gpumix(sizes: Sizes) -> Family:
+    rng0 = random.Random(11)
+    docs = [f"Manual {i}:\n" + text(rng0, MIX_DOC_WORDS, f"M{i}-") for i in range(MIX_DOCS)]
+    weights = [1 / (i + 1) ** MIX_ZIPF for i in range(MIX_DOCS)]
+    low, high = MIX_TURNS
+    history = (low + high) / 2 * (MIX_USER_WORDS + MIX_ANSWER_TOKENS)
+    every = MIX_DOCS * math.ceil(MIX_DOC_WORDS / BLOCK_SIZE)
+    every += MIX_CONVERSATIONS * math.ceil(history / BLOCK_SIZE)
+    small = math.ceil(sizes.cache_share * every / (2 * MIX_BIG + 2))
+    big = MIX_BIG * small
+    workers = (WorkerSpec(20, 20, 16, big, MIX_PREFILL_MS_PER_TOKEN),) * 2 + (
+        WorkerSpec(40, 40, 8, small, 2 * MIX_PREFILL_MS_PER_TOKEN),
+    ) * 2
+    user, answer = spread(MIX_USER_WORDS), spread(MIX_ANSWER_TOKENS)
+    end = sizes.warmup + sizes.duration
+
+    def one(rng: random.Random, i: int, start: float) -> Conversation:
+        k = rng.choices(range(MIX_DOCS), weights)[0]
+        turns = _turns(rng, rng.randint(low, high), user, answer, MIX_THINK, f"X{i}")
+        return Conversation(start, docs[k], f"mix{i}d{k}", turns)  # (the name says its document)
+
+    build = _started(MIX_CONVERSATIONS, end, one)
+
+    setup = (
+        f"{MIX_CONVERSATIONS} conversations of {low}-{high} turns starting over {end:g} s, "
+        f"each under one of {MIX_DOCS} context documents of {MIX_DOC_WORDS} tokens (Zipf "
+        f"{MIX_ZIPF:g}) as its system prompt; user messages {MIX_USER_WORDS} +-50%, answers "
+        f"{MIX_ANSWER_TOKENS} +-50% tokens, think time exp. mean {MIX_THINK:g} s; KV cache "
+        f"{big} blocks on each fast worker, {small} on each slow one: together "
+        f"{sizes.cache_share:g} of all documents' and conversations' {every}"
+    )
+    return Family("gpumix", workers, setup, build)
+
+
 # bigbatch's shape: vLLM's batches as GPUs run them (hundreds of sequences; here 32-64, as
 # many as a 2-core machine streams), one worker at half speed, short chat at --load.
 BIG_SEQS, BIG_TOKENS = (64, 32, 48), 24
@@ -488,4 +535,5 @@ FAMILIES: dict[str, Callable[[Sizes], Family]] = {
     "ragchat": ragchat,
     "bigbatch": bigbatch,
     "longprompt": longprompt,
+    "gpumix": gpumix,
 }

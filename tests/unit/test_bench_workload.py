@@ -152,6 +152,23 @@ def test_ragchat_puts_one_of_many_popular_documents_in_each_conversations_system
     assert blocks is not None and 3 * RAG_DOC_WORDS < blocks * 16 < 4 * RAG_DOC_WORDS
 
 
+def test_gpumix_has_two_gpu_generations_with_three_times_the_cache_on_the_fast_ones() -> None:
+    from collections import Counter
+
+    from benchmarks.families import MIX_BIG, MIX_CONVERSATIONS, MIX_DOCS, gpumix
+
+    family = gpumix(SIZES)
+    kinds = Counter((w.tpot_ms, w.max_num_seqs, w.num_gpu_blocks) for w in family.workers)
+    (fast, slow) = sorted(kinds)
+    assert kinds[fast] == kinds[slow] == 2 and slow[0] == 2 * fast[0]
+    assert fast[2] == MIX_BIG * slow[2]  # the fast ones hold three times the blocks
+    conversations = family.build(random.Random(0))
+    assert len(conversations) == MIX_CONVERSATIONS
+    docs = Counter(c.system for c in conversations)
+    assert len(docs) > MIX_DOCS // 2 and docs.most_common(1)[0][0].startswith("Manual 0:")
+    assert all(c.system.startswith(f"Manual {c.session.split('d')[1]}:") for c in conversations)
+
+
 def test_bigbatch_runs_far_more_at_once_than_the_capacity_gate_first_assumes() -> None:
     from vllm_gateway.dispatch.buckets import PROBE_START
 

@@ -3,14 +3,15 @@ it wants, none two while another has none, and a plan made again moves little.""
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 
 import pytest
 
 from vllm_gateway.dispatch.policies.rendezvous import Ranks
-from vllm_gateway.dispatch.preamble_plan import PreamblePlan, _fewest
-from vllm_gateway.workers import Worker
+from vllm_gateway.dispatch.preamble_plan import CACHE_SPAN, PreamblePlan, _fewest
+from vllm_gateway.workers import EngineStats, Worker
 
 BOUND = 1.25  # the default load bound
 
@@ -113,3 +114,56 @@ def test_moves_count_the_preambles_a_new_plan_gives_other_workers():
     plan.forget_missing(w.url for w in rest)
     again = _plan(plan, rest, {101: 1000, 202: 1000, 0: 2000})
     assert plan.moves == sum(not again[p] <= fewer[p] for p in again) >= 1
+
+
+def _fleet(caches: list[float | None]) -> list[Worker]:
+    ws = [Worker(f"http://c-{i}.test:8000", models=("m",)) for i in range(len(caches))]
+    for w, tokens in zip(ws, caches, strict=True):
+        if tokens is not None:
+            w.stats = EngineStats(0, 0, 0.1, 0.0, cache_tokens=tokens)
+    return ws
+
+
+def _per_worker(plan: PreamblePlan, ws: list[Worker], k: int) -> list[int]:
+    counts = {p: 1000 for p in range(1, k + 1)}  # k alike preambles, one worker each
+    planned = _plan(plan, ws, counts)
+    assert all(len(urls) == 1 for urls in planned.values())
+    per = Counter(u for urls in planned.values() for u in urls)
+    return [per[w.url] for w in ws]
+
+
+def test_a_worker_with_three_times_the_kv_cache_is_planned_three_times_the_preambles():
+    """Two GPU generations: a worker holds the preambles its KV cache (as it reports it,
+    `vllm:cache_config_info`) has room for, not as many as a worker with a third of it."""
+    assert _per_worker(PreamblePlan(BOUND), _fleet([3e5, 3e5, 1e5, 1e5]), 8) == [3, 3, 1, 1]
+    # Alike caches: alike parts, as with no cache reported.
+    assert _per_worker(PreamblePlan(BOUND), _fleet([1e5] * 4), 8) == [2, 2, 2, 2]
+
+
+def test_until_every_worker_reports_its_cache_the_plan_counts_weights_alone():
+    """A worker that reports no cache size (or not yet) leaves every part by weight: a
+    guess for it could put the popular preambles where they do not fit."""
+    assert _per_worker(PreamblePlan(BOUND), _fleet([3e5, 3e5, 1e5, None]), 8) == [2, 2, 2, 2]
+    # A worker of weight 0 takes none either way, reported or not.
+    ws = _fleet([3e5, 3e5, 1e5, 1e5, None])
+    ws[4].weight = 0.0
+    assert _per_worker(PreamblePlan(BOUND), ws, 8) == [3, 3, 1, 1, 0]
+    # Once it has reported, its size is kept through a stale scrape (no stats for a while).
+    plan = PreamblePlan(BOUND)
+    ws = _fleet([3e5, 3e5, 1e5, 1e5])
+    assert _per_worker(plan, ws, 8) == [3, 3, 1, 1]
+    ws[0].stats = None
+    assert _per_worker(plan, ws, 8) == [3, 3, 1, 1]
+
+
+@pytest.mark.parametrize("claim", [1e30, 1e12, 0.5, -1e5, math.nan, math.inf])
+def test_a_worker_claiming_any_cache_size_moves_only_its_own_part_and_that_bounded(claim):
+    """A worker's report is untrusted: it counts within CACHE_SPAN of the fleet's median
+    either way (a nonsense figure not at all), so no claim takes every preamble or leaves
+    a truthful worker none."""
+    ws = _fleet([claim, 1e5, 1e5, 1e5])
+    per = _per_worker(PreamblePlan(BOUND), ws, 12)
+    assert sum(per) == 12 and min(per) >= 1
+    slots = [CACHE_SPAN, 1.0, 1.0, 1.0]  # the largest part a claim can have
+    assert per[0] <= -(-12 * slots[0] // sum(slots))
+    assert max(per[1:]) - min(per[1:]) <= 1

@@ -17,9 +17,12 @@ caches none.
 The plan places the popular preambles (each at least `1 / (HOT x n)` of the recent
 requests; once planned, until below half that) together, dealt in rounds: in each, every
 preamble that wants one worker more, in the order of their hashes, takes the least
-planned worker it does not have, the first of its own rendezvous order among equals,
-within each worker's part (by weight) of all the slots the popular preambles want. So
-each worker caches about its part of them, and none two while another has none; and a
+planned worker (for its part) it does not have, the first of its own rendezvous order
+among equals, within each worker's part of all the slots the popular preambles want: by
+its weight x its KV cache (as the workers report it, so a fleet of two GPU generations
+puts three times the preambles where three times the cache holds them; by weight alone
+while a worker reports none). So each worker caches about its part of them, and none
+two while another has none; and a
 preamble planned one worker more takes it after every preamble's first, so it seldom
 moves another (with equal weights, never while the others want one worker each). When
 the round's last picks leave room only on workers a preamble has, another preamble makes
@@ -67,6 +70,8 @@ HOT = 4
 Z = 3.0
 # Requests over which shares are measured (cache_aware's window): the schedule's period.
 SHARE_WINDOW = 1024
+# A worker's KV cache counts in the plan's slots within this factor of the fleet's median.
+CACHE_SPAN = 8.0
 FIRST_SCHEDULED = 32
 
 RanksFor = Callable[[int, Sequence[Worker]], list[float]]
@@ -116,6 +121,7 @@ class PreamblePlan:
         # the conversations sent there (/metrics: vllm_gateway_preamble_plan_moves_total).
         self.moves = 0
         self._last: dict[int, tuple[int, frozenset[str]]] = {}  # that last plan (for moves)
+        self._sizes: dict[str, float] = {}  # URL -> the KV cache it last reported, in tokens
 
     def among(
         self,
@@ -163,6 +169,8 @@ class PreamblePlan:
         present = set(present)
         for url in [u for u in self._known if u not in present]:
             del self._known[url]
+        for url in [u for u in self._sizes if u not in present]:
+            del self._sizes[url]
         if self._urls - present:
             self._urls = frozenset()  # no longer made over the workers there are
             self._since = 1 << 30
@@ -216,7 +224,7 @@ class PreamblePlan:
             and (c * HOT * weighted >= total or (p in before and c * 2 * HOT * weighted >= total))
         )
         wants = [_fewest(counts[p] / total, total, weighted, self._bound) for p in hot]
-        bins = _Bins(sum(wants), [w.weight for w in workers])
+        bins = _Bins(sum(wants), self._slot_weights(workers))
         ranks = [ranks_for(p, workers) for p in hot]
         taken: list[set[int]] = [set() for _ in hot]
         # Dealt in rounds, one worker per preamble each (in hash order, as every replica):
@@ -248,11 +256,31 @@ class PreamblePlan:
         if planned:  # (a plan with no popular preamble is no baseline for the next)
             self._last = planned
 
+    def _slot_weights(self, workers: Sequence[Worker]) -> list[float]:
+        """Each worker's part of the plan's slots: its weight x its KV cache as it reported
+        it last (`vllm:cache_config_info`; the same in every replica), taken within
+        `CACHE_SPAN` of the median, so a worker's claim moves its own part only, that far;
+        its weight alone while a worker of weight > 0 has reported none (a guess for it
+        could put the popular preambles where they do not fit)."""
+        sizes = self._sizes
+        for w in workers:
+            stats = w.stats
+            tokens = stats.cache_tokens if stats is not None else None
+            if tokens is not None and 0 < tokens < math.inf:
+                sizes[w.url] = tokens  # (kept through a stale scrape: it seldom changes)
+        known = [sizes.get(w.url, 0.0) for w in workers if w.weight > 0]
+        if not known or not all(known):
+            return [w.weight for w in workers]
+        mid = sorted(known)[len(known) // 2]
+        low, high = mid / CACHE_SPAN, mid * CACHE_SPAN
+        return [w.weight * min(high, max(low, sizes.get(w.url, mid))) / mid for w in workers]
+
 
 class _Bins:
     """How many preambles each worker is planned at most (past it only to spill, `take`),
     and so far: the slots all of them need (their wants summed), shared out by weight
-    (rounded up, at least one for a weight > 0), so each worker caches about its part of
+    (`PreamblePlan._slot_weights`: the worker's weight x its KV cache; rounded up, at least
+    one for a weight > 0), so each worker caches about its part of
     the popular preambles and none caches two while another has none. Counted in
     preambles, not in their exact shares: measured shares wander, and a plan that
     followed them would move preambles (each move a prefill) for nothing; the load bound
@@ -269,15 +297,16 @@ class _Bins:
         self.used = [0] * len(weights)
 
     def take(self, ranks: list[float], had: Set[int], spill: bool = False) -> list[int]:
-        """[the least planned worker with room, by rank among equals (the first of the
-        preamble's own order), other than those it `had`] (empty: none); `spill`: any of
-        weight > 0, room or not. It is planned one more preamble."""
+        """[the least planned worker with room (for its part: planned / room), by rank
+        among equals (the first of the preamble's own order), other than those it `had`]
+        (empty: none); `spill`: any of weight > 0, room or not. It is planned one more
+        preamble."""
         room, used = self.room, self.used
         free = [j for j in range(len(room))
                 if (used[j] < room[j] or (spill and room[j] > 0)) and j not in had]  # fmt: skip
         if not free:
             return []
-        j = min(free, key=lambda j: (used[j], ranks[j]))
+        j = min(free, key=lambda j: (used[j] / room[j], ranks[j]))
         used[j] += 1
         return [j]
 
@@ -292,14 +321,14 @@ class _Bins:
         # are among its own, a few.)
         roomy = [z for z in range(len(room)) if used[z] < room[z]]
         full = sorted((x for x in range(len(room)) if room[x] > 0 and x not in mine),
-                      key=lambda x: (used[x], ranks[i][x]))  # fmt: skip
+                      key=lambda x: (used[x] / room[x], ranks[i][x]))  # fmt: skip
         for x in full:
             for q, has in enumerate(taken):
                 if q == i or x not in has:
                     continue
                 free = [z for z in roomy if z not in has]
                 if free:
-                    z = min(free, key=lambda z: (used[z], ranks[q][z]))
+                    z = min(free, key=lambda z: (used[z] / room[z], ranks[q][z]))
                     has.discard(x)
                     has.add(z)
                     used[z] += 1
