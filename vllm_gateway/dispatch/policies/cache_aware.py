@@ -414,6 +414,8 @@ class CacheAware:
         best, best_rank, seeds, seed_of = None, math.inf, self._ranks.seeds, self._ranks.seed
         candidates, congested = view.candidates, view.congested or ()
         alone = len(among) == 1  # (a conversation's one holder, most often: no order to take)
+        if not isinstance(extra, float) and not extra[2]:  # no preamble: no holder's slack
+            extra = extra[0]
         for j in among:
             if j in congested:
                 continue
