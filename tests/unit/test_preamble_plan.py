@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from vllm_gateway.dispatch.policies.rendezvous import Ranks
-from vllm_gateway.dispatch.preamble_plan import CACHE_SPAN, PreamblePlan, _fewest
+from vllm_gateway.dispatch.preamble_plan import PreamblePlan, _fewest
 from vllm_gateway.workers import EngineStats, Worker
 
 BOUND = 1.25  # the default load bound
@@ -140,30 +140,57 @@ def test_a_worker_with_three_times_the_kv_cache_is_planned_three_times_the_pream
     assert _per_worker(PreamblePlan(BOUND), _fleet([1e5] * 4), 8) == [2, 2, 2, 2]
 
 
-def test_until_every_worker_reports_its_cache_the_plan_counts_weights_alone():
-    """A worker that reports no cache size (or not yet) leaves every part by weight: a
-    guess for it could put the popular preambles where they do not fit."""
-    assert _per_worker(PreamblePlan(BOUND), _fleet([3e5, 3e5, 1e5, None]), 8) == [2, 2, 2, 2]
+def test_a_worker_reporting_no_cache_counts_at_the_median_of_those_that_do():
+    """A worker that reports no cache size (not vLLM, or no scrape yet) is counted at the
+    others' median: the parts do not swing the whole fleet back to weights alone. With no
+    report at all, they go by weight."""
+    assert _per_worker(PreamblePlan(BOUND), _fleet([3e5, 3e5, 1e5, None]), 10) == [3, 3, 1, 3]
+    assert _per_worker(PreamblePlan(BOUND), _fleet([None] * 4), 8) == [2, 2, 2, 2]
     # A worker of weight 0 takes none either way, reported or not.
     ws = _fleet([3e5, 3e5, 1e5, 1e5, None])
     ws[4].weight = 0.0
     assert _per_worker(PreamblePlan(BOUND), ws, 8) == [3, 3, 1, 1, 0]
-    # Once it has reported, its size is kept through a stale scrape (no stats for a while).
+    # A plan reads the reports as they are now (two replicas read the same): a stale
+    # scrape (no stats) counts as no report.
     plan = PreamblePlan(BOUND)
-    ws = _fleet([3e5, 3e5, 1e5, 1e5])
-    assert _per_worker(plan, ws, 8) == [3, 3, 1, 1]
+    ws = _fleet([3e5, 1e5, 1e5, 1e5])
     ws[0].stats = None
-    assert _per_worker(plan, ws, 8) == [3, 3, 1, 1]
+    assert _per_worker(plan, ws, 4) == [1, 1, 1, 1]
 
 
-@pytest.mark.parametrize("claim", [1e30, 1e12, 0.5, -1e5, math.nan, math.inf])
-def test_a_worker_claiming_any_cache_size_moves_only_its_own_part_and_that_bounded(claim):
-    """A worker's report is untrusted: it counts within CACHE_SPAN of the fleet's median
-    either way (a nonsense figure not at all), so no claim takes every preamble or leaves
-    a truthful worker none."""
-    ws = _fleet([claim, 1e5, 1e5, 1e5])
-    per = _per_worker(PreamblePlan(BOUND), ws, 12)
-    assert sum(per) == 12 and min(per) >= 1
-    slots = [CACHE_SPAN, 1.0, 1.0, 1.0]  # the largest part a claim can have
-    assert per[0] <= -(-12 * slots[0] // sum(slots))
-    assert max(per[1:]) - min(per[1:]) <= 1
+@pytest.mark.parametrize(
+    ("claim", "expected"),
+    [
+        (1e30, [6, 2, 2, 2]),  # counted as 8x the median: without the bound, [9, 1, 1, 1]
+        (1e5, [3, 3, 3, 3]),
+        (1e5 / 100, [1, 4, 4, 3]),  # an eighth of the median at least: one
+        (0.5, [3, 3, 3, 3]),  # below a token: nonsense, as no report (the median)
+        (-1e5, [3, 3, 3, 3]),
+        (math.nan, [3, 3, 3, 3]),
+        (math.inf, [3, 3, 3, 3]),
+    ],
+)
+def test_a_worker_claiming_any_cache_size_moves_only_its_own_part_and_that_bounded(claim, expected):
+    """A worker's report is untrusted: it counts within CACHE_SPAN of the fleet's median, a
+    nonsense figure at the median, so no claim takes every preamble or moves the others'
+    parts but through its own."""
+    per = _per_worker(PreamblePlan(BOUND), _fleet([claim, 1e5, 1e5, 1e5]), 12)
+    assert sorted(per[1:]) == sorted(expected[1:]) and per[0] == expected[0]
+
+
+def test_the_least_planned_worker_is_counted_for_its_part():
+    """Caches 4:2:1 and nine alike preambles: counted for its part (planned / its slots),
+    the largest worker takes five of them, about its 4/7; counted in preambles alone, the
+    dealing would even them out to 4, 3, 2 within the slots."""
+    assert _per_worker(PreamblePlan(BOUND), _fleet([4e5, 2e5, 1e5]), 9) == [5, 2, 2]
+
+
+def test_tiny_weights_and_caches_leave_no_worker_of_weight_above_0_without_a_slot():
+    """The parts are weight x cache relative to the median, not a product that underflows
+    (any weight above 0 is in bounds), nor a tiny part relative to the largest."""
+    ws = _fleet([1e5, 8e5, 8e5])  # the first at an eighth of the median: 5e-324 / 8 is 0
+    for w, weight in zip(ws, [5e-324, 5e-324, 8.0], strict=True):
+        w.weight = weight
+    plan = PreamblePlan(BOUND)
+    planned = _plan(plan, ws, {7: 1000})
+    assert len(planned[7]) == 3  # a preamble with all the traffic has every worker
