@@ -394,35 +394,76 @@ RAG_DOCS, RAG_DOC_WORDS, RAG_ZIPF, RAG_CONVERSATIONS, RAG_TURNS = 12, 1200, 1.2,
 RAG_USER_WORDS, RAG_ANSWER_TOKENS, RAG_THINK, RAG_PREFILL_MS_PER_TOKEN = 30, 40, 1.5, 0.2
 
 
+@dataclass(frozen=True)
+class _Documents:
+    """Conversations each under one of `count` context documents of `words` tokens, chosen
+    by Zipf popularity (`zipf`), sent as the system prompt (ragchat, gpumix)."""
+
+    title: str  # each document starts "<title> <k>:", then words "<mark><k>-<n>"
+    mark: str
+    seed: int  # of the documents' text
+    count: int
+    words: int
+    zipf: float
+    conversations: int
+    turns: tuple[int, int]
+    user_words: int
+    answer_tokens: int
+    think: float
+    tag: str  # the turns' tag, "<tag><i>"
+    session: str  # the sessions' names, "<session><i>d<k>": the name says its document
+
+    def blocks(self) -> int:
+        """KV blocks to hold every document and every conversation's history."""
+        low, high = self.turns
+        history = (low + high) / 2 * (self.user_words + self.answer_tokens)
+        every = self.count * math.ceil(self.words / BLOCK_SIZE)
+        return every + self.conversations * math.ceil(history / BLOCK_SIZE)
+
+    def build(self, sizes: Sizes) -> Callable[[random.Random], list[Conversation]]:
+        rng0 = random.Random(self.seed)
+        docs = [
+            f"{self.title} {i}:\n" + text(rng0, self.words, f"{self.mark}{i}-")
+            for i in range(self.count)
+        ]
+        weights = [1 / (i + 1) ** self.zipf for i in range(self.count)]
+        user, answer = spread(self.user_words), spread(self.answer_tokens)
+
+        def one(rng: random.Random, i: int, start: float) -> Conversation:
+            k = rng.choices(range(self.count), weights)[0]
+            turns = _turns(
+                rng, rng.randint(*self.turns), user, answer, self.think, f"{self.tag}{i}"
+            )
+            return Conversation(start, docs[k], f"{self.session}{i}d{k}", turns)
+
+        return _started(self.conversations, sizes.warmup + sizes.duration, one)
+
+    def setup(self, sizes: Sizes) -> str:
+        low, high = self.turns
+        return (
+            f"{self.conversations} conversations of {low}-{high} turns starting over "
+            f"{sizes.warmup + sizes.duration:g} s, each under one of {self.count} context "
+            f"documents of {self.words} tokens (Zipf {self.zipf:g}) as its system prompt; user "
+            f"messages {self.user_words} +-50%, answers {self.answer_tokens} +-50% tokens, think "
+            f"time exp. mean {self.think:g} s; KV cache "
+        )
+
+
+RAG = _Documents(
+    "Context", "R", 5, RAG_DOCS, RAG_DOC_WORDS, RAG_ZIPF, RAG_CONVERSATIONS, RAG_TURNS,
+    RAG_USER_WORDS, RAG_ANSWER_TOKENS, RAG_THINK, "G", "rag",
+)  # fmt: skip
+
+
 def ragchat(sizes: Sizes) -> Family:
-    rng0 = random.Random(5)
-    docs = [f"Context {i}:\n" + text(rng0, RAG_DOC_WORDS, f"R{i}-") for i in range(RAG_DOCS)]
-    weights = [1 / (i + 1) ** RAG_ZIPF for i in range(RAG_DOCS)]
-    low, high = RAG_TURNS
-    history = (low + high) / 2 * (RAG_USER_WORDS + RAG_ANSWER_TOKENS)
-    every = RAG_DOCS * math.ceil(RAG_DOC_WORDS / BLOCK_SIZE)
-    every += RAG_CONVERSATIONS * math.ceil(history / BLOCK_SIZE)
+    every = RAG.blocks()
     fast, slow = 3, 2
     blocks, workers = _mixed_share(sizes, every, RAG_PREFILL_MS_PER_TOKEN, fast, slow)
-    user, answer = spread(RAG_USER_WORDS), spread(RAG_ANSWER_TOKENS)
-    end = sizes.warmup + sizes.duration
-
-    def one(rng: random.Random, i: int, start: float) -> Conversation:
-        k = rng.choices(range(RAG_DOCS), weights)[0]
-        turns = _turns(rng, rng.randint(low, high), user, answer, RAG_THINK, f"G{i}")
-        return Conversation(start, docs[k], f"rag{i}d{k}", turns)  # (the name says its document)
-
-    build = _started(RAG_CONVERSATIONS, end, one)
-
-    setup = (
-        f"{RAG_CONVERSATIONS} conversations of {low}-{high} turns starting over {end:g} s, "
-        f"each under one of {RAG_DOCS} context documents of {RAG_DOC_WORDS} tokens (Zipf "
-        f"{RAG_ZIPF:g}) as its system prompt; user messages {RAG_USER_WORDS} +-50%, answers "
-        f"{RAG_ANSWER_TOKENS} +-50% tokens, think time exp. mean {RAG_THINK:g} s; KV cache "
+    setup = RAG.setup(sizes) + (
         f"{blocks} blocks per worker = {sizes.cache_share:g} of all documents' and "
         f"conversations' {every} / {fast + slow}"
     )
-    return Family("ragchat", workers, setup, build)
+    return Family("ragchat", workers, setup, RAG.build(sizes))
 
 
 # gpumix's shape: a fleet of two GPU generations, as fleets grow: two large, fast workers
@@ -434,38 +475,24 @@ MIX_USER_WORDS, MIX_ANSWER_TOKENS, MIX_THINK, MIX_PREFILL_MS_PER_TOKEN = 30, 40,
 MIX_BIG = 3  # a large worker's KV blocks per small worker's
 
 
+MIX = _Documents(
+    "Manual", "M", 11, MIX_DOCS, MIX_DOC_WORDS, MIX_ZIPF, MIX_CONVERSATIONS, MIX_TURNS,
+    MIX_USER_WORDS, MIX_ANSWER_TOKENS, MIX_THINK, "X", "mix",
+)  # fmt: skip
+
+
 def gpumix(sizes: Sizes) -> Family:
-    rng0 = random.Random(11)
-    docs = [f"Manual {i}:\n" + text(rng0, MIX_DOC_WORDS, f"M{i}-") for i in range(MIX_DOCS)]
-    weights = [1 / (i + 1) ** MIX_ZIPF for i in range(MIX_DOCS)]
-    low, high = MIX_TURNS
-    history = (low + high) / 2 * (MIX_USER_WORDS + MIX_ANSWER_TOKENS)
-    every = MIX_DOCS * math.ceil(MIX_DOC_WORDS / BLOCK_SIZE)
-    every += MIX_CONVERSATIONS * math.ceil(history / BLOCK_SIZE)
+    every = MIX.blocks()
     small = math.ceil(sizes.cache_share * every / (2 * MIX_BIG + 2))
     big = MIX_BIG * small
     workers = (WorkerSpec(20, 20, 16, big, MIX_PREFILL_MS_PER_TOKEN),) * 2 + (
         WorkerSpec(40, 40, 8, small, 2 * MIX_PREFILL_MS_PER_TOKEN),
     ) * 2
-    user, answer = spread(MIX_USER_WORDS), spread(MIX_ANSWER_TOKENS)
-    end = sizes.warmup + sizes.duration
-
-    def one(rng: random.Random, i: int, start: float) -> Conversation:
-        k = rng.choices(range(MIX_DOCS), weights)[0]
-        turns = _turns(rng, rng.randint(low, high), user, answer, MIX_THINK, f"X{i}")
-        return Conversation(start, docs[k], f"mix{i}d{k}", turns)  # (the name says its document)
-
-    build = _started(MIX_CONVERSATIONS, end, one)
-
-    setup = (
-        f"{MIX_CONVERSATIONS} conversations of {low}-{high} turns starting over {end:g} s, "
-        f"each under one of {MIX_DOCS} context documents of {MIX_DOC_WORDS} tokens (Zipf "
-        f"{MIX_ZIPF:g}) as its system prompt; user messages {MIX_USER_WORDS} +-50%, answers "
-        f"{MIX_ANSWER_TOKENS} +-50% tokens, think time exp. mean {MIX_THINK:g} s; KV cache "
+    setup = MIX.setup(sizes) + (
         f"{big} blocks on each fast worker, {small} on each slow one: together "
         f"{sizes.cache_share:g} of all documents' and conversations' {every}"
     )
-    return Family("gpumix", workers, setup, build)
+    return Family("gpumix", workers, setup, MIX.build(sizes))
 
 
 # bigbatch's shape: vLLM's batches as GPUs run them (hundreds of sequences; here 32-64, as

@@ -414,8 +414,7 @@ class CacheAware:
         best, best_rank, seeds, seed_of = None, math.inf, self._ranks.seeds, self._ranks.seed
         candidates, congested = view.candidates, view.congested or ()
         alone = len(among) == 1  # (a conversation's one holder, most often: no order to take)
-        if not isinstance(extra, float) and not extra[2]:  # no preamble: no holder's slack
-            extra = extra[0]
+        extra = extra if isinstance(extra, float) or extra[2] else extra[0]  # (no preamble)
         for j in among:
             if j in congested:
                 continue
