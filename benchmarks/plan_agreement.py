@@ -145,6 +145,11 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.replicas <= 16 or not 1 <= args.seeds <= 1000:
         ap.error("--replicas 1..16 and --seeds 1..1000")
+    if args.json:
+        try:
+            open(args.json, "a").close()  # (a path it cannot write fails now, not after the runs)
+        except OSError as e:
+            ap.error(f"--json {args.json}: {e.strerror}")
     out = {}
     print(f"{'shape':14} {'differ':>7} {'moves':>7} {'maxload':>8} {'builds':>7}")
     for shape in SHAPES:

@@ -163,7 +163,7 @@ def test_a_worker_reporting_no_cache_counts_at_the_median_of_those_that_do():
     [
         (1e30, [6, 2, 2, 2]),  # counted as 8x the median: without the bound, [9, 1, 1, 1]
         (1e5, [3, 3, 3, 3]),
-        (1e5 / 100, [1, 4, 4, 3]),  # an eighth of the median at least: one
+        (1e5 / 100, [1, 4, 4, 3]),  # below the median: only the claimant loses (one slot)
         (0.5, [3, 3, 3, 3]),  # below a token: nonsense, as no report (the median)
         (-1e5, [3, 3, 3, 3]),
         (math.nan, [3, 3, 3, 3]),
@@ -171,11 +171,31 @@ def test_a_worker_reporting_no_cache_counts_at_the_median_of_those_that_do():
     ],
 )
 def test_a_worker_claiming_any_cache_size_moves_only_its_own_part_and_that_bounded(claim, expected):
-    """A worker's report is untrusted: it counts within CACHE_SPAN of the fleet's median, a
+    """A worker's report is untrusted: it counts up to CACHE_SPAN times the median report, a
     nonsense figure at the median, so no claim takes every preamble or moves the others'
     parts but through its own."""
     per = _per_worker(PreamblePlan(BOUND), _fleet([claim, 1e5, 1e5, 1e5]), 12)
     assert sorted(per[1:]) == sorted(expected[1:]) and per[0] == expected[0]
+
+
+@pytest.mark.parametrize("claim", [1e12, 1e3])
+def test_the_median_is_a_truthful_report_while_most_workers_report_truthfully(claim):
+    """The median the parts are counted against is the lower one of the reports of the
+    workers of weight > 0, and only when more than half of them report: one false claim
+    among two reports, or the reports of workers that take no preambles, would otherwise
+    set it, and move every truthful worker's part."""
+    # Two of four report (one of them false): the parts go by weight.
+    assert _per_worker(PreamblePlan(BOUND), _fleet([claim, 1e5, None, None]), 12) == [3] * 4
+    # Three of four report: the median is a truthful one, the claim moves its own part only.
+    per = _per_worker(PreamblePlan(BOUND), _fleet([claim, 1e5, 1e5, None]), 12)
+    assert max(per[1:]) - min(per[1:]) <= 1  # (alike but for rounding)
+    assert per[0] == (6 if claim > 1e5 else 1)
+    # Workers of weight 0 take no preambles and set nothing, whatever they report (counted,
+    # their one-token caches would set the median, and clamp both others to 8x it alike).
+    ws = _fleet([1e5, 3e5, 1.0, 1.0, 1.0])
+    for w in ws[2:]:
+        w.weight = 0.0
+    assert _per_worker(PreamblePlan(BOUND), ws, 8) == [2, 6, 0, 0, 0]
 
 
 def test_the_least_planned_worker_is_counted_for_its_part():
