@@ -23,9 +23,9 @@ each figure is the mean over --seeds runs):
              placements at the end (1.0: every worker its part);
     builds   plans made per replica and run.
 
-    python -m benchmarks.plan_agreement                 # the shapes below, 12 seeds each
-    python -m benchmarks.plan_agreement --replicas 1    # one gateway: moves alone
-    python -m benchmarks.plan_agreement --seeds 40 --json out.json
+    scripts/bench_plan                            # the shapes below, 12 seeds each
+    scripts/bench_plan --replicas 1               # one gateway: moves alone
+    scripts/bench_plan --seeds 40 --json out.json
 
 To compare two versions of the plan, run it from two worktrees: it is deterministic, so
 one run each is the comparison (no noise to take medians of).
