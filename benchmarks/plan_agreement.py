@@ -69,20 +69,22 @@ SHAPES = (
 )
 
 
-def _stream(rng: random.Random, shape: Shape) -> tuple[list[int], list[int], list[float]]:
-    """The preambles' names, the requests in time order (as indexes of the preambles),
-    and the preambles' popularity weights."""
+def _stream(
+    rng: random.Random, shape: Shape
+) -> tuple[list[int], list[tuple[int, int]], list[float]]:
+    """The preambles' names, the requests in time order (as (index of the preamble,
+    conversation)), and the preambles' popularity weights."""
     names = [rng.getrandbits(60) | 1 for _ in range(shape.preambles)]
     weights = [1 / (i + 1) ** shape.zipf for i in range(shape.preambles)]
     events = []
-    for _ in range(shape.conversations):
+    for c in range(shape.conversations):
         k = rng.choices(range(shape.preambles), weights)[0]
         t = rng.uniform(0, 100)
         for _ in range(rng.randint(*shape.turns)):
-            events.append((t, k))
+            events.append((t, k, c))
             t += rng.expovariate(1 / 3)  # think time between turns
     events.sort()
-    return names, [k for _, k in events], weights
+    return names, [(k, c) for _, k, c in events], weights
 
 
 def _workers_of(shares: Shares, ranks: Ranks, preamble: int, fleet: list[Worker]) -> frozenset:
@@ -107,12 +109,15 @@ def run(shape: Shape, seed: int, replicas: int) -> dict[str, float]:
     names, requests, weights = _stream(rng, shape)
     sides = [(Shares(BOUND), Ranks()) for _ in range(replicas)]
     last: list[dict[int, frozenset]] = [{} for _ in sides]
+    seen: list[set[int]] = [set() for _ in sides]  # conversations each replica has seen
     differ = moves = 0
-    for i, k in enumerate(requests):
+    for i, (k, c) in enumerate(requests):
         preamble = names[k]
         r = i % replicas
         shares, ranks = sides[r]
-        share = shares.add(preamble)
+        # (counted once per conversation and replica, as cache_aware does by its index)
+        share = shares.add(preamble, c not in seen[r])
+        seen[r].add(c)
         shares.plan.among(preamble, share, shares.samples, fleet, shares.counts, ranks.cached)
         now = _workers_of(shares, ranks, preamble, fleet)
         if replicas > 1:

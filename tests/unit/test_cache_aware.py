@@ -463,6 +463,38 @@ def test_alternating_replicas_make_the_same_plan_and_keep_a_conversation_on_one_
     assert len(homes) == 1, homes
 
 
+def test_two_replicas_count_each_conversation_once_whichever_sees_its_turns():
+    """Behind an L4 balancer each replica sees half the requests, but nearly every
+    conversation: counted in conversations, the two measure the same shares. Three short
+    conversations under P, one long one under Q, turns alternating between the replicas:
+    each counts P 3 and Q 1 (by requests they would count P 3 and Q 6, or 3 and 6 split
+    unevenly), and a retry of a turn counts nothing more."""
+    ws = workers(4)
+    replicas = [policy(), policy()]
+    systems = {s: f"system prompt {s} " * 70 for s in "PQ"}
+    talks = [("P", 2), ("P", 2), ("P", 2), ("Q", 12)]
+    sent = 0
+    for c, (s, turns) in enumerate(talks):
+        history: list[str] = []
+        for t in range(turns):
+            history.append(f"conversation {c} turn {t} " * 10)
+            body = chat(*history, system=systems[s])
+            replicas[sent % 2].select(ws, info(body))
+            sent += 1
+            if t == 1:
+                replicas[sent % 2].select(ws, info(body))  # a retry of it, at the other
+            history.append(f"answer {t} " * 20)
+    named = {s: info(chat("x", system=text)).prefix_blocks() for s, text in systems.items()}
+    names = {s: blocks.preamble for s, blocks in named.items() if blocks is not None}
+    for replica in replicas:
+        shares = replica.shares["m"]
+        assert shares.samples == 4
+        assert {s: shares.counts[name] for s, name in names.items()} == {"P": 3, "Q": 1}
+    # A sibling process's request of a conversation it had seen (told as -1) is not counted.
+    replicas[0].told("m", None, -1, names["Q"], [1, 2, 3])
+    assert replicas[0].shares["m"].samples == 4
+
+
 def test_a_registry_change_that_removes_nobody_keeps_the_plan():
     ws = workers(4)
     p = policy()

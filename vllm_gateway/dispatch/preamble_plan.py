@@ -61,16 +61,19 @@ from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 
 from vllm_gateway.workers import Worker
 
-# A preamble is planned from `1 / (HOT x n)` of the recent requests (and stays planned
+# A preamble is planned from `1 / (HOT x n)` of the recent conversations (and stays planned
 # until below half that): at most HOT x n of them. Low enough that one of n equally
 # popular preambles is planned soon after its first conversations, not after they have
 # settled on a worker its own rendezvous order gave it, possibly another preamble's.
 HOT = 4
-# Standard errors a share must move before its preamble's number of workers follows: 3, as
-# a conversation's turns are not independent samples (6 turns of one conversation count as
-# 6 requests), so the plain binomial error understates how much a share wanders.
+# Standard errors a share must move before its preamble's number of workers follows: 3.
+# Two replicas count nearly the same conversations, but not at the same moments (one sees
+# a conversation a turn after the other), and each plan that follows a share's wobble
+# moves preambles (each a prefill); simulated (`scripts/bench_plan`), 2 rather than 3 let
+# the replicas' plans differ more often on every shape, for a better balance on some.
 Z = 3.0
-# Requests over which shares are measured (cache_aware's window): the schedule's period.
+# Conversations over which shares are measured (cache_aware's window), and the schedule's
+# period in requests.
 SHARE_WINDOW = 1024
 # A worker's KV cache counts in the plan's slots up to this many times the median report.
 CACHE_SPAN = 8.0
@@ -89,7 +92,7 @@ def wanted(share: float, n: int, bound: float) -> int:
 
 
 def _error(share: float, samples: int) -> float:
-    """`Z` standard errors of a share measured over `samples` requests."""
+    """`Z` standard errors of a share measured over `samples` conversations."""
     return Z * math.sqrt(share * (1.0 - share) / samples) if samples > 0 else 1.0
 
 
@@ -346,8 +349,17 @@ class _Bins:
 
 
 class Shares:
-    """Each preamble's share of the model's last `SHARE_WINDOW` requests (0: those with
-    none), and the plan of where the popular ones go: cache_aware keeps one per model."""
+    """Each preamble's share of the model's last `SHARE_WINDOW` conversations (0: those
+    with none), and the plan of where the popular ones go: cache_aware keeps one per model.
+
+    Counted in conversations (a request counts when its conversation is new here), not in
+    requests: behind an L4 balancer each replica sees about half of the requests, but
+    both see nearly every conversation (its turns alternate between them), so the two
+    count nearly the same samples, and their popular sets and wants differ far less than
+    from two halves of the requests (simulated, `scripts/bench_plan`: requests at which
+    two replicas send a preamble to different workers 0.135 against 0.205 on a
+    docchat-like shape, 0.180 against 0.372 on a ragchat-like one). And conversations are
+    independent samples, where a conversation's turns are not."""
 
     def __init__(self, load_bound: float) -> None:
         self._ring: deque[int] = deque()
@@ -362,10 +374,13 @@ class Shares:
     def samples(self) -> int:
         return len(self._ring)
 
-    def add(self, preamble: int) -> float:
-        """Count one more request with `preamble`; return its share now."""
+    def add(self, preamble: int, new: bool = True) -> float:
+        """One more request with `preamble`, of a conversation `new` here (else it is not
+        counted again, but for the plan's schedule); return its share now."""
         self.plan.count()
         ring, counts = self._ring, self._counts
+        if not new:
+            return counts.get(preamble, 0) / len(ring) if ring else 0.0
         ring.append(preamble)
         counts[preamble] = counts.get(preamble, 0) + 1
         if len(ring) > SHARE_WINDOW:

@@ -72,7 +72,8 @@ MAX_TEXT = 2048  # longest model name or URL told or accepted
 # Drops are logged at most this often (seconds), with how many since.
 LOG_EVERY = 60.0
 
-# model, worker URL, what it shared with many (as counted), preamble, block names
+# model, worker URL, what it shared with many (as counted; -1: a conversation's later
+# request, not counted again), preamble, block names
 Placement = tuple[str, str, int, int, Sequence[int]]
 Apply = Callable[[str, str, int, int, Sequence[int]], None]
 
@@ -344,7 +345,8 @@ def share_placements(
         if isinstance(policy, CacheAware):
             blocks = info.prefix_blocks()  # (computed once, by the policy's select)
             if blocks is not None:
-                publish(info.model, worker.url, policy.shared, blocks.preamble, blocks.blocks)
+                shared = policy.shared if policy.new else -1  # (-1: not counted again)
+                publish(info.model, worker.url, shared, blocks.preamble, blocks.blocks)
 
     dispatcher.on_placed = placed
     return feed

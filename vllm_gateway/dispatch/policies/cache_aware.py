@@ -26,26 +26,20 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    placed it) takes that home past the load bound while it has a batch slot free: the
    bound reads this replica's own in-flight view, which the other's does not share.
    The preamble (the system prompt) is shared by many conversations: they go to the
-   workers its share of the recent requests needs, `ceil(workers x share / load_bound)`,
-   the first of the preamble's own rendezvous order (or as the plan deals the popular
-   ones: preamble_plan.py), so each worker caches few preambles and has room for
-   histories. Past the bound on all of those, the preamble's next worker in its own order
-   with room: its overflow lands where its earlier overflow went, in every replica alike.
-   A worker the index says holds the preamble gets the history's looser bound (a
-   conversation sent away prefills the preamble again, as a moved history would).
-   A shared start of the first user message (a document quoted for questions about
-   it, few-shot examples; `_shared`) is a preamble too: the deepest block inside the key,
-   a block or more past the system prompt, that is known (counted as a preamble among
-   the recent requests, or in the index) stands for it. A first turn with no preamble
-   (nothing shared to cache) leaves a home owing far more prefill than the others, as a
-   later turn does (`_leave_congested`).
+   `ceil(workers x share / load_bound)` workers its share of the recent conversations
+   needs, as the plan deals them (preamble_plan.py; else the first of its own rendezvous
+   order), so each worker caches few preambles and has room for histories. Past the
+   bound on all of those, its next worker in its order with room (its overflow, alike in
+   every replica). A holder of the preamble gets the history's looser bound. A shared
+   start of the first user message (a document quoted for questions about it; `_shared`)
+   is a preamble too. A first turn with no preamble leaves a home owing far more prefill
+   than the others, as a later turn does (`_leave_congested`).
 
-The load bound, per worker, is `LoadView.fits` (load_view.py says it and why). Rendezvous
-weighs by `weight` only (pace differs slightly between replicas; the order must not).
-
-Requests without prompt text (token ids) go to the least expected wait, as with `queue`.
-Every request's blocks are recorded on the worker chosen, so its next turn finds them;
-the step that chose is `RequestInfo.placed` (the access log's), one of `PLACED`.
+The load bound, per worker, is `LoadView.fits` (load_view.py). Rendezvous weighs by
+`weight` only (pace differs slightly between replicas; the order must not). Requests
+without prompt text (token ids) go to the least expected wait, as with `queue`. Every
+request's blocks are recorded on the worker chosen; the step that chose is
+`RequestInfo.placed` (the access log's), one of `PLACED`.
 """
 
 from __future__ import annotations
@@ -100,6 +94,7 @@ class CacheAware:
         self._holders: list[Worker] = []
         self._depth = 0
         self.shared = 0  # what the last request shared with many, as counted (`_shared`)
+        self.new = True  # whether it was its conversation's first request here (counted)
         self._step = "preamble"  # which of `_preamble_home`'s choices it made last
 
     def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
@@ -110,9 +105,12 @@ class CacheAware:
             return self._fallback.select(candidates, info)
         shares = self._shares_of(info.model)
         self.shared = preamble = self._shared(blocks, shares.counts)
-        # Every request with prompt text counts (preamble 0: none), so a preamble's share
-        # is of all the model's traffic: what the workers it needs are measured against.
-        share = shares.add(preamble)
+        # Every conversation with prompt text counts (preamble 0: none), so a preamble's
+        # share is of all the model's traffic: what the workers it needs are measured
+        # against. Once, at the first of its requests here: the key not sent anywhere yet
+        # (preamble_plan.py `Shares`: replicas then count alike).
+        self.new = new = not self.index.known(blocks.key)
+        share = shares.add(preamble, new)
         if len(candidates) == 1:
             worker: Worker | None = candidates[0]
             info.placed = "only"
@@ -131,10 +129,11 @@ class CacheAware:
         self, model: str, worker: Worker | None, shared: int, preamble: int, names: Sequence[int]
     ) -> None:
         """A sibling process (`serve --processes N`) sent a request for `model` that shared
-        `shared` (as counted), with these `preamble` and block `names`, to `worker` (None:
-        not known here yet) (process/placement_feed.py): count and record it as `select`
-        does its own, so the processes' shares, plans and indexes are alike."""
-        self._shares_of(model).add(shared)
+        `shared` (as counted; < 0: its conversation was not new, `self.new`), with these
+        `preamble` and block `names`, to `worker` (None: not known here yet)
+        (process/placement_feed.py): count and record it as `select` does its own, so the
+        processes' shares, plans and indexes are alike."""
+        self._shares_of(model).add(shared, shared >= 0)
         if worker is not None:
             self.index.record_names(worker, preamble, names)
 
