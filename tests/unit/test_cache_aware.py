@@ -481,8 +481,8 @@ def test_two_replicas_count_each_conversation_once_whichever_sees_its_turns():
             body = chat(*history, system=systems[s])
             replicas[sent % 2].select(ws, info(body))
             sent += 1
-            if t == 1:
-                replicas[sent % 2].select(ws, info(body))  # a retry of it, at the other
+            if t == 1:  # a retry of it, where it was that replica's first of the conversation
+                replicas[(sent - 1) % 2].select(ws, info(body))
             history.append(f"answer {t} " * 20)
     named = {s: info(chat("x", system=text)).prefix_blocks() for s, text in systems.items()}
     names = {s: blocks.preamble for s, blocks in named.items() if blocks is not None}
@@ -493,6 +493,20 @@ def test_two_replicas_count_each_conversation_once_whichever_sees_its_turns():
     # A sibling process's request of a conversation it had seen (told as -1) is not counted.
     replicas[0].told("m", None, -1, names["Q"], [1, 2, 3])
     assert replicas[0].shares["m"].samples == 4
+
+
+def test_first_turns_that_share_their_key_count_once_each():
+    """A flood of one prompt, or completions under one template (their key: the first
+    KiB), count per request: as one sample they would inflate every other preamble's share."""
+    ws = workers(4)
+    p = policy()
+    template = "Few-shot examples follow. " * 60  # past the 1 KiB key
+    for i in range(30):
+        doc = {"model": "m", "prompt": template + f"question {i}"}
+        p.select(ws, RequestInfo("/v1/completions", b"", "m", True, "r", {}, doc))
+    for _ in range(10):
+        p.select(ws, info(chat("hello", system="system prompt S " * 70)))  # one prompt, 10x
+    assert p.shares["m"].samples == 40
 
 
 def test_a_registry_change_that_removes_nobody_keeps_the_plan():

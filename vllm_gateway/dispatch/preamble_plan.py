@@ -15,7 +15,7 @@ histories, past its KV cache, and prefills them again and again, while another w
 caches none.
 
 The plan places the popular preambles (each at least `1 / (HOT x n)` of the recent
-requests; once planned, until below half that) together, dealt in rounds: in each, every
+conversations; once planned, until below half that) together, dealt in rounds: in each, every
 preamble that wants one worker more, in the order of their hashes, takes the least
 planned worker (for its part) it does not have, the first of its own rendezvous order
 among equals, within each worker's part of all the slots the popular preambles want: by
@@ -352,14 +352,17 @@ class Shares:
     """Each preamble's share of the model's last `SHARE_WINDOW` conversations (0: those
     with none), and the plan of where the popular ones go: cache_aware keeps one per model.
 
-    Counted in conversations (a request counts when its conversation is new here), not in
-    requests: behind an L4 balancer each replica sees about half of the requests, but
-    both see nearly every conversation (its turns alternate between them), so the two
-    count nearly the same samples, and their popular sets and wants differ far less than
-    from two halves of the requests (simulated, `scripts/bench_plan`: requests at which
-    two replicas send a preamble to different workers 0.135 against 0.205 on a
-    docchat-like shape, 0.180 against 0.372 on a ragchat-like one). And conversations are
-    independent samples, where a conversation's turns are not."""
+    Counted in conversations (cache_aware counts every first turn, and a later turn only
+    when its conversation is new here), not in requests: behind an L4 balancer each
+    replica sees about half of the requests, but both see nearly every conversation of
+    several turns (its turns alternate between them), so the two count nearly the same
+    samples, and their popular sets and wants differ far less than from two halves of the
+    requests (simulated, `scripts/bench_plan`: requests at which two replicas send a
+    preamble to different workers 0.135 against 0.205 on a docchat-like shape, 0.180
+    against 0.372 on a ragchat-like one). And conversations are independent samples,
+    where a conversation's turns are not. Behind N replicas a one-turn conversation is
+    counted by one of them, a long one by all: shares lean toward the preambles of long
+    conversations, alike in every replica (they carry more of the load, too)."""
 
     def __init__(self, load_bound: float) -> None:
         self._ring: deque[int] = deque()

@@ -105,11 +105,12 @@ class CacheAware:
             return self._fallback.select(candidates, info)
         shares = self._shares_of(info.model)
         self.shared = preamble = self._shared(blocks, shares.counts)
-        # Every conversation with prompt text counts (preamble 0: none), so a preamble's
-        # share is of all the model's traffic: what the workers it needs are measured
-        # against. Once, at the first of its requests here: the key not sent anywhere yet
-        # (preamble_plan.py `Shares`: replicas then count alike).
-        self.new = new = not self.index.known(blocks.key)
+        # Every first turn with prompt text counts (preamble 0: none), so a preamble's
+        # share is of all the model's traffic, and a later turn only when its conversation
+        # is new here (its key not in the index: preamble_plan.py `Shares`, so replicas
+        # count alike). A first turn always: prompts that share their key (a flood, or
+        # completions under one template) are as many samples as requests.
+        self.new = new = not blocks.continued or not self.index.known(blocks.key)
         share = shares.add(preamble, new)
         if len(candidates) == 1:
             worker: Worker | None = candidates[0]
@@ -194,14 +195,14 @@ class CacheAware:
         first user message, few-shot examples, a system prompt sent as a user message):
         its name then stands for the preamble. Else the preamble (0: none).
 
-        Known: counted as a preamble among the model's recent requests (`counted`), or
+        Known: counted as a preamble among the model's recent conversations (`counted`), or
         sent to some worker (candidate or not, so the name does not change as workers fill
         and free) that the index still remembers. The first request with it seeds the
         index; from the second on, its share keeps it known while the index forgets it
         under the requests' own blocks. But when the index knows this request's own key
         (an earlier turn of its conversation, or a retry, was sent), what it knows inside
         the key may be that turn's own names: only counted ones are shared then, so a
-        conversation's later turns count under what its first turn counted under."""
+        conversation's later turns are placed under what its first turn counted under."""
         if not blocks.first:  # nothing named inside the key (most requests)
             return blocks.preamble
         hashes = blocks.blocks
