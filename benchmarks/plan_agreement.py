@@ -11,8 +11,8 @@ mechanism itself, with the real `Shares`, `PreamblePlan` and rendezvous ranks.
 A run plays conversations (each under one of K preambles chosen by Zipf popularity, a
 few turns each, interleaved in time) through R replicas in turn. At each request, the
 preamble's workers as each replica would choose them now: the plan's, or, unplanned, the
-first `wanted` of its own rendezvous order. It reports per shape (medians are not taken:
-each figure is the mean over --seeds runs):
+first `wanted` of its order (its own rendezvous order, the workers the plan fills last).
+It reports per shape (medians are not taken: each figure is the mean over --seeds runs):
 
     differ   the share of requests at which two replicas' workers for the request's
              preamble differ (0 with --replicas 1);
@@ -88,13 +88,14 @@ def _stream(
 
 
 def _workers_of(shares: Shares, ranks: Ranks, preamble: int, fleet: list[Worker]) -> frozenset:
-    """The workers a replica sends `preamble` to now: planned, or its own order's first."""
+    """The workers a replica sends `preamble` to now: planned, or the first of its order
+    (`PreamblePlan.order`: its own, the workers the plan fills last)."""
     urls = shares.plan.urls_of(preamble)
     if urls is not None:
         return urls
     share = shares.counts.get(preamble, 0) / max(1, shares.samples)
-    order = ranks.cached(preamble, fleet)
-    first = sorted(range(len(fleet)), key=order.__getitem__)[: wanted(share, len(fleet), BOUND)]
+    order = shares.plan.order(preamble, fleet, ranks.cached)
+    first = order[: wanted(share, len(fleet), BOUND)]
     return frozenset(fleet[j].url for j in first)
 
 

@@ -645,6 +645,31 @@ def test_conversations_without_a_shared_prompt_or_with_one_for_all_use_every_wor
     assert len(bare) == n and len(one) == n, (bare, one)
 
 
+@pytest.mark.parametrize("fleet", range(3))
+def test_rare_preambles_keep_off_the_worker_a_hot_one_fills(fleet):
+    """A hot system prompt has 22% of 5 workers' traffic, planned on one (its fair part is
+    20%), three warm ones 16% each, and twenty rare ones (1.6% each, too rare to plan) the
+    rest: no rare one goes to the hot one's worker, where its copy would take the cache
+    the hot one's many conversations need; each goes first to a worker with traffic to
+    spare (by its own order there, `PreamblePlan.order`). On their own orders alone, some
+    of the twenty would land there (each with odds 1 in 5)."""
+    ws = [Worker(f"http://10.{fleet}.1.{i}:8000", models=("m",)) for i in range(5)]
+    mix = [0] * 14 + [1, 2, 3] * 10 + list(range(4, 24))  # 64 conversations a cycle
+    systems = [f"system prompt {fleet}-{s} " * 60 for s in range(24)]
+    p = policy()
+    where: dict[int, Counter] = {s: Counter() for s in range(len(systems))}
+    for i in range(64 * 30):
+        s = mix[i % 64]
+        chosen = p.select(ws, info(chat(f"user {i} says hi", system=systems[s])))
+        if i >= 64 * 12:
+            where[s][chosen] += 1
+    assert len(where[0]) == 1, where[0]
+    (hot,) = where[0]
+    rare = set().union(*(set(where[s]) for s in range(4, 24)))
+    assert hot not in rare and len(rare) == 4, rare
+    assert all(len(where[s]) == 1 for s in range(4, 24))  # (one worker each: no spreading)
+
+
 def test_a_preambles_overflow_goes_to_its_next_worker_in_every_replica():
     """Past the load bound on its home, a preamble's new conversations go to the next
     worker in the preamble's own order, all to the same one, and another replica (its

@@ -79,6 +79,9 @@ SHARE_WINDOW = 1024
 # A worker's KV cache counts in the plan's slots up to this many times the median report.
 CACHE_SPAN = 8.0
 FIRST_SCHEDULED = 32
+# Added to the rank of a worker the plan fills (`order`): after every other, in its own
+# order among them (ranks are below ~40 / weight).
+FILLED = 1e9
 
 RanksFor = Callable[[int, Sequence[Worker]], list[float]]
 
@@ -127,6 +130,8 @@ class PreamblePlan:
         # the conversations sent there (/metrics: vllm_gateway_preamble_plan_moves_total).
         self.moves = 0
         self._last: dict[int, tuple[int, frozenset[str]]] = {}  # that last plan (for moves)
+        # The workers the plan sends their fair part of the traffic or more (`order`).
+        self._filled: frozenset[str] = frozenset()
 
     def among(
         self,
@@ -152,6 +157,22 @@ class PreamblePlan:
         urls = entry[1]
         found = [j for j, w in enumerate(candidates) if w.url in urls]
         return found or None
+
+    def order(self, preamble: int, candidates: Sequence[Worker], ranks_for: RanksFor) -> list[int]:
+        """Indexes of `candidates` in the order an unplanned `preamble` tries them, and a
+        planned one's overflow past its planned workers: its own rendezvous order, but the
+        workers the plan already fills (`_filled`) last. A preamble too rare to plan, sent
+        to the worker of a hot one, copies itself into a cache the hot preamble's many
+        conversations need, and both thrash (ragchat, traced: a fast worker planned the
+        document of 23% of the requests took two rare ones too, and prefilled them again
+        13 times); elsewhere it finds traffic to spare. Alike in replicas whose plans are."""
+        ranks = ranks_for(preamble, candidates)
+        filled = self._filled
+        if filled:
+            ranks = [
+                r + FILLED if w.url in filled else r for r, w in zip(ranks, candidates, strict=True)
+            ]
+        return sorted(range(len(candidates)), key=ranks.__getitem__)
 
     def urls_of(self, preamble: int) -> frozenset[str] | None:
         """The URLs planned for `preamble` now (None: not planned); no plan is made."""
@@ -227,7 +248,8 @@ class PreamblePlan:
             and (c * HOT * weighted >= total or (p in before and c * 2 * HOT * weighted >= total))
         )
         wants = [_fewest(counts[p] / total, total, weighted, self._bound) for p in hot]
-        bins = _Bins(sum(wants), self._slot_weights(workers))
+        slot_weights = self._slot_weights(workers)
+        bins = _Bins(sum(wants), slot_weights)
         ranks = [ranks_for(p, workers) for p in hot]
         taken: list[set[int]] = [set() for _ in hot]
         # Dealt in rounds, one worker per preamble each (in hash order, as every replica):
@@ -256,6 +278,7 @@ class PreamblePlan:
             if old is not None and not urls <= old[1]:
                 self.moves += 1
         self._planned = planned
+        self._filled = _filled(workers, slot_weights, planned, counts, total)
         if planned:  # (a plan with no popular preamble is no baseline for the next)
             self._last = planned
 
@@ -283,6 +306,35 @@ class PreamblePlan:
             w.weight * (min(CACHE_SPAN, x / mid) if x else 1.0) or w.weight
             for w, x in zip(workers, sizes, strict=True)
         ]
+
+
+def _filled(
+    workers: Sequence[Worker],
+    slot_weights: list[float],
+    planned: Mapping[int, tuple[int, frozenset[str]]],
+    counts: Mapping[int, int],
+    total: int,
+) -> frozenset[str]:
+    """The URLs of the workers the plan sends at least their fair part of all the traffic
+    (their part of the plan's slots, `slot_weights`), each planned preamble's share split
+    evenly over its workers. Empty when nothing is planned."""
+    if not planned or total <= 0:
+        return frozenset()
+    usable = [x if x > 0 and math.isfinite(x) else 0.0 for x in slot_weights]
+    top = max(usable, default=0.0)
+    parts = [x / top for x in usable] if top > 0 else usable
+    whole = sum(parts)
+    sent: dict[str, float] = {}
+    for preamble, (_, urls) in planned.items():
+        each = counts.get(preamble, 0) / total / max(1, len(urls))
+        for url in urls:
+            sent[url] = sent.get(url, 0.0) + each
+    # (x / whole: the part; the sums of a few floats, so a hair of tolerance at equality)
+    return frozenset(
+        w.url
+        for w, x in zip(workers, parts, strict=True)
+        if x > 0 and sent.get(w.url, 0.0) * whole >= x * (1.0 - 1e-9)
+    )
 
 
 class _Bins:

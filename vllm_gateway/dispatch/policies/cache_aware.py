@@ -28,12 +28,13 @@ wait; what is left to weigh is the prefill saved against the balance given up:
    The preamble (the system prompt) is shared by many conversations: they go to the
    `ceil(workers x share / load_bound)` workers its share of the recent conversations
    needs, as the plan deals them (preamble_plan.py; else the first of its own rendezvous
-   order), so each worker caches few preambles and has room for histories. Past the
-   bound on all of those, its next worker in its order with room (its overflow, alike in
-   every replica). A holder of the preamble gets the history's looser bound. A shared
-   start of the first user message (a document quoted for questions about it; `_shared`)
-   is a preamble too. A first turn with no preamble leaves a home owing far more prefill
-   than the others, as a later turn does (`_leave_congested`).
+   order, the workers the plan fills last), so each worker caches few preambles and has
+   room for histories. Past the bound on all of those, its next worker in that order
+   with room (its overflow, alike in every replica). A holder of the preamble gets the
+   history's looser bound. A shared start of the first user message (a document quoted
+   for questions about it; `_shared`) is a preamble too. A first turn with no preamble
+   leaves a home owing far more prefill than the others, as a later turn does
+   (`_leave_congested`).
 
 The load bound, per worker, is `LoadView.fits` (load_view.py). Rendezvous weighs by
 `weight` only (pace differs slightly between replicas; the order must not). Requests
@@ -335,7 +336,6 @@ class CacheAware:
         """A new conversation among the workers its preamble needs, or its overflow worker
         (`_step` says which); None when it needs every worker. `sticky`: see `_home`."""
         candidates, key = view.candidates, blocks.key
-        n = len(candidates)
         ranks_for = self._ranks.cached
         order: list[int] | None = None
         # The popular preambles: where the plan puts them (preamble_plan.py).
@@ -353,13 +353,14 @@ class CacheAware:
             want = wanted(share, weighted, self._bound)
             if want >= weighted:
                 return None
-            ranks = ranks_for(preamble, candidates)
-            order = sorted(range(n), key=ranks.__getitem__)
+            order = shares.plan.order(preamble, candidates, ranks_for)
             planned = order[:want]
         best = self._home(key, planned, view, extra, sticky)
         if best is not None:
             self._step = "preamble"
             return best
+        if order is None:  # (a planned preamble's: its overflow takes the plan's order too)
+            order = shares.plan.order(preamble, candidates, ranks_for)
         return self._overflow(view, blocks, preamble, planned, order, extra)
 
     def _overflow(
@@ -368,18 +369,15 @@ class CacheAware:
         blocks: PrefixBlocks,
         preamble: int,
         planned: list[int],
-        order: list[int] | None,
+        order: list[int],
         extra: tuple[float, float, int],
     ) -> Worker | None:
         """A new conversation whose preamble's workers (`planned`) are all past the bound:
-        the preamble's next worker in its own `order` (None: not sorted yet) with room, so
+        the preamble's next worker in its `order` (`PreamblePlan.order`) with room, so
         its overflow lands where its earlier overflow went (alike in every replica), not
         wherever each conversation's key says. `_step` says which it chose."""
         candidates = view.candidates
         self._step = "overflow"
-        if order is None:
-            ranks = self._ranks.cached(preamble, candidates)
-            order = sorted(range(len(candidates)), key=ranks.__getitem__)
         congested = view.congested or ()
         need, full = blocks.shared_end(preamble), False  # what a worker without it prefills
         for j in order:
