@@ -102,3 +102,28 @@ def test_parts_by_reported_cache_set_what_fills_a_worker():
         seen.add(url)
         assert plan._filled == (frozenset() if url == ws[0].url else {url})
     assert len(seen) > 1  # (both cases met)
+
+
+def test_the_plan_is_made_again_on_its_schedule_when_only_rare_preambles_arrive():
+    """A hot preamble fills a worker; then it stops, and every conversation has its own
+    rare preamble. Those are never planned, yet the schedule still makes the plan again,
+    which frees the worker: rare preambles go first to it again, as to any other."""
+    from vllm_gateway.dispatch.preamble_plan import Shares
+
+    ws = _workers(5, "s")
+    shares = Shares(1.25)
+    ranks = Ranks()
+
+    def send(preamble: int) -> None:
+        share = shares.add(preamble)
+        shares.plan.among(preamble, share, shares.samples, ws, shares.counts, ranks.cached)
+
+    for i in range(2000):
+        send(77 if i % 4 == 0 else 1000 + i)  # the hot one: 25%, one worker (fair 20%)
+    assert shares.plan._filled and len(shares.plan._filled) == 1
+    (freed,) = shares.plan._filled
+    for i in range(5000):
+        send(100_000 + i)
+    assert shares.plan._filled == frozenset()
+    firsts = {ws[shares.plan.order(k, ws, ranks.cached)[0]].url for k in range(1, 400)}
+    assert freed in firsts

@@ -1,6 +1,7 @@
 """Which workers each popular preamble goes to: one share-balanced plan, alike in replicas.
 
     plan.among(preamble, share, samples, candidates, counts, ranks_for) -> list[int] | None
+    plan.order(preamble, candidates, ranks_for) -> list[int]   a rare one's (filled last)
     plan.forget_missing(urls)   workers left the registry
     Shares(load_bound)          the preambles' shares of one model's traffic, and its plan
 
@@ -57,8 +58,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from vllm_gateway.dispatch.plan_bins import Bins
 from vllm_gateway.workers import Worker
 
 # A preamble is planned from `1 / (HOT x n)` of the recent conversations (and stays planned
@@ -79,9 +81,6 @@ SHARE_WINDOW = 1024
 # A worker's KV cache counts in the plan's slots up to this many times the median report.
 CACHE_SPAN = 8.0
 FIRST_SCHEDULED = 32
-# Added to the rank of a worker the plan fills (`order`): after every other, in its own
-# order among them (ranks are below ~40 / weight).
-FILLED = 1e9
 
 RanksFor = Callable[[int, Sequence[Worker]], list[float]]
 
@@ -148,6 +147,11 @@ class PreamblePlan:
         entry = self._planned.get(preamble)
         n = self._n or len(candidates)
         if entry is None and share * HOT * n < 1:
+            # Too rare to plan. The schedule still runs while the plan fills a worker, which
+            # rare preambles pass over (`order`): once the popular preambles are gone (their
+            # conversations over), a plan made again gives that worker back to them.
+            if self._filled and self._due():
+                self._build(candidates, counts, ranks_for)
             return None
         if self._stale(entry, share, samples, candidates):
             self._build(candidates, counts, ranks_for)
@@ -161,17 +165,16 @@ class PreamblePlan:
     def order(self, preamble: int, candidates: Sequence[Worker], ranks_for: RanksFor) -> list[int]:
         """Indexes of `candidates` in the order an unplanned `preamble` tries them, and a
         planned one's overflow past its planned workers: its own rendezvous order, but the
-        workers the plan already fills (`_filled`) last. A preamble too rare to plan, sent
+        workers the plan fills (`_filled`) last. A preamble too rare to plan, sent
         to the worker of a hot one, copies itself into a cache the hot preamble's many
         conversations need, and both thrash (ragchat, traced: a fast worker planned the
         document of 23% of the requests took two rare ones too, and prefilled them again
-        13 times); elsewhere it finds traffic to spare. Alike in replicas whose plans are."""
+        13 times); elsewhere it finds traffic to spare."""
         ranks = ranks_for(preamble, candidates)
         filled = self._filled
         if filled:
-            ranks = [
-                r + FILLED if w.url in filled else r for r, w in zip(ranks, candidates, strict=True)
-            ]
+            keys = [(w.url in filled, r) for r, w in zip(ranks, candidates, strict=True)]
+            return sorted(range(len(candidates)), key=keys.__getitem__)
         return sorted(range(len(candidates)), key=ranks.__getitem__)
 
     def urls_of(self, preamble: int) -> frozenset[str] | None:
@@ -207,8 +210,7 @@ class PreamblePlan:
         candidates: Sequence[Worker],
     ) -> bool:
         """Whether to make the plan again now (see the module docstring)."""
-        if self._seen >= self._next:
-            self._next = self._seen + min(self._seen, SHARE_WINDOW)
+        if self._due():
             return True
         gap = 4 * max(1, len(self._urls))
         if self._since < gap:
@@ -222,6 +224,13 @@ class PreamblePlan:
             return True
         # A worker it was not made over (one joined, or replaced another).
         return any(w.url not in self._urls for w in candidates)
+
+    def _due(self) -> bool:
+        """Whether the schedule (in requests seen) makes a plan now; if so, its next time."""
+        if self._seen < self._next:
+            return False
+        self._next = self._seen + min(self._seen, SHARE_WINDOW)
+        return True
 
     def _build(
         self, candidates: Sequence[Worker], counts: Mapping[int, int], ranks_for: RanksFor
@@ -239,7 +248,7 @@ class PreamblePlan:
         self._urls, self._n, self._since = frozenset(known), weighted, 0
         self.builds += 1
         if total <= 0 or weighted == 0:
-            self._planned = planned
+            self._planned, self._filled = planned, frozenset()
             return
         hot = sorted(
             p
@@ -249,7 +258,7 @@ class PreamblePlan:
         )
         wants = [_fewest(counts[p] / total, total, weighted, self._bound) for p in hot]
         slot_weights = self._slot_weights(workers)
-        bins = _Bins(sum(wants), slot_weights)
+        bins = Bins(sum(wants), slot_weights)
         ranks = [ranks_for(p, workers) for p in hot]
         taken: list[set[int]] = [set() for _ in hot]
         # Dealt in rounds, one worker per preamble each (in hash order, as every replica):
@@ -317,7 +326,11 @@ def _filled(
 ) -> frozenset[str]:
     """The URLs of the workers the plan sends at least their fair part of all the traffic
     (their part of the plan's slots, `slot_weights`), each planned preamble's share split
-    evenly over its workers. Empty when nothing is planned."""
+    evenly over its workers. Empty when nothing is planned. No margin: a share wobbling
+    around a worker's part moves about 1/n of the rare preambles at a plan that crosses it
+    (behind two replicas, until both have planned again); a margin of `Z` standard errors
+    below it kept the workers an early plan from few samples filled for a thousand
+    requests, and the rare preambles piled onto the others (docs/benchmarks.md)."""
     if not planned or total <= 0:
         return frozenset()
     usable = [x if x > 0 and math.isfinite(x) else 0.0 for x in slot_weights]
@@ -329,76 +342,14 @@ def _filled(
         each = counts.get(preamble, 0) / total / max(1, len(urls))
         for url in urls:
             sent[url] = sent.get(url, 0.0) + each
-    # (x / whole: the part; the sums of a few floats, so a hair of tolerance at equality)
-    return frozenset(
-        w.url
-        for w, x in zip(workers, parts, strict=True)
-        if x > 0 and sent.get(w.url, 0.0) * whole >= x * (1.0 - 1e-9)
-    )
-
-
-class _Bins:
-    """How many preambles each worker is planned at most (past it only to spill, `take`),
-    and so far: the slots all of them need (their wants summed), shared out by weight
-    (`PreamblePlan._slot_weights`: the worker's weight x its KV cache; rounded up, at least
-    one for a weight > 0), so each worker caches about its part of
-    the popular preambles and none caches two while another has none. Counted in
-    preambles, not in their exact shares: measured shares wander, and a plan that
-    followed them would move preambles (each move a prefill) for nothing; the load bound
-    at dispatch keeps the traffic in check. A worker of weight 0 takes none."""
-
-    def __init__(self, slots: int, weights: list[float]) -> None:
-        weights = [x if x > 0 and math.isfinite(x) else 0.0 for x in weights]
-        top = max(weights, default=0.0)
-        # Relative to the largest (a sum of huge weights would overflow; a tiny one may
-        # then read 0, but its worker still gets its one slot below).
-        parts = [x / top for x in weights] if top > 0 else weights
-        total = sum(parts)
-        # At least one for any weight > 0: a worker counted in a preamble's want may take it.
-        self.room = [
-            max(1, math.ceil(slots * y / total - 1e-9)) if x > 0 else 0
-            for x, y in zip(weights, parts, strict=True)
-        ]
-        self.used = [0] * len(weights)
-
-    def take(self, ranks: list[float], had: Set[int], spill: bool = False) -> list[int]:
-        """[the least planned worker with room (for its part: planned / room), by rank
-        among equals (the first of the preamble's own order), other than those it `had`]
-        (empty: none); `spill`: any of weight > 0, room or not. It is planned one more
-        preamble."""
-        room, used = self.room, self.used
-        free = [j for j in range(len(room))
-                if (used[j] < room[j] or (spill and room[j] > 0)) and j not in had]  # fmt: skip
-        if not free:
-            return []
-        j = min(free, key=lambda j: (used[j] / room[j], ranks[j]))
-        used[j] += 1
-        return [j]
-
-    def make_way(self, ranks: list[list[float]], taken: list[set[int]], i: int) -> list[int]:
-        """[a full worker preamble `i` lacks (the least planned first, by its rank)], freed
-        for it by another preamble that moves from there to the least planned worker with
-        room it lacks (by its own rank); empty when no such move exists. `ranks` and
-        `taken`: every preamble's, by index."""
-        room, used = self.room, self.used
-        mine = taken[i]
-        # (Every worker it lacks is full, or `take` would have found it: those with room
-        # are among its own, a few.)
-        roomy = [z for z in range(len(room)) if used[z] < room[z]]
-        full = sorted((x for x in range(len(room)) if room[x] > 0 and x not in mine),
-                      key=lambda x: (used[x] / room[x], ranks[i][x]))  # fmt: skip
-        for x in full:
-            for q, has in enumerate(taken):
-                if q == i or x not in has:
-                    continue
-                free = [z for z in roomy if z not in has]
-                if free:
-                    z = min(free, key=lambda z: (used[z] / room[z], ranks[q][z]))
-                    has.discard(x)
-                    has.add(z)
-                    used[z] += 1
-                    return [x]  # (x stays as used: it is preamble i's now)
-        return []
+    filled = set()
+    for w, x in zip(workers, parts, strict=True):
+        if not x > 0:
+            continue
+        # (sums of a few floats: a hair of tolerance at equality)
+        if sent.get(w.url, 0.0) * whole >= x * (1.0 - 1e-9):
+            filled.add(w.url)
+    return frozenset(filled)
 
 
 class Shares:
