@@ -78,19 +78,40 @@ class EngineStats:
 # second of memory, so the figure follows a worker that starts evicting within a second or
 # two, and one scrape that saw a single cold prompt moves it only part of the way.
 MISS_WEIGHT = 0.25
+# Time constant of a worker's rate of missed prompt tokens (`Worker.miss_rate`), in seconds: about
+# the time a conversation takes to come back (an answer and the user's next message), the
+# span over which what a cache is sent decides what it still holds for a returning turn.
+PRESSURE_SECONDS = 4.0
+# Missed tokens per second added to every worker's rate in its `Worker.pressure`: so one
+# that missed nothing lately is not infinitely preferred (it stays positive); no more.
+PRESSURE_FLOOR = 1.0
 
 
 def note_cache(worker: Worker, before: EngineStats | None, now: EngineStats) -> None:
-    """Fold the prefix-cache counters' increase since the last scrape into `worker.miss`."""
-    if before is None or before.cache_queries is None or before.cache_hits is None:
-        return
+    """Fold the prefix-cache counters' increase since the last scrape into `worker.miss`,
+    `worker.miss_rate` and `worker.pressure` (those two back to 0, unknown, when the
+    counters or the cache size are gone, or the counters went back: a restarted engine
+    starts with an empty cache)."""
     if now.cache_queries is None or now.cache_hits is None:
+        worker.miss_rate = worker.pressure = 0.0
+        return
+    if before is None or before.cache_queries is None or before.cache_hits is None:
         return
     queried = now.cache_queries - before.cache_queries
     hit = now.cache_hits - before.cache_hits
-    if not 0 < queried < math.inf or not 0 <= hit <= queried:  # idle, restarted, nonsense
+    if not 0 <= hit <= queried < math.inf:  # restarted, nonsense
+        worker.miss_rate = worker.pressure = 0.0
         return
-    worker.miss += MISS_WEIGHT * (1.0 - hit / queried - worker.miss)
+    dt = now.at - before.at
+    if 0 < dt < math.inf:
+        # Tokens it prefilled (the prompt it did not hold) per second.
+        a = -math.expm1(-dt / PRESSURE_SECONDS)
+        worker.miss_rate += a * ((queried - hit) / dt - worker.miss_rate)
+    tokens = now.cache_tokens or 0.0  # (capped at scrape: fleet/scrape.py)
+    ok = 0 < tokens < math.inf
+    worker.pressure = (worker.miss_rate + PRESSURE_FLOOR) / tokens if ok else 0.0
+    if queried > 0:  # (idle: no share to learn)
+        worker.miss += MISS_WEIGHT * (1.0 - hit / queried - worker.miss)
 
 
 class Worker:
@@ -111,12 +132,15 @@ class Worker:
         "kv_free",
         "max_num_seqs",
         "miss",
+        "miss_rate",
         "models",
         "others",
+        "others_at",
         "pace",
         "pinned_models",
         "prefill_bytes",
         "prefill_seconds",
+        "pressure",
         "sent_since_scrape",
         "source",
         "state",
@@ -151,6 +175,12 @@ class Worker:
         # The share of the prompt tokens it was sent lately that it did not find cached,
         # from its own counters (`note_cache`); 0 while unknown.
         self.miss = 0.0
+        # Prompt tokens it prefilled per second lately, by the same counters (`note_cache`),
+        # and that rate over its KV cache in tokens: how fast its prefix cache turns over
+        # (1 / how long it keeps what it is not sent again); 0 while unknown
+        # (dispatch/policies/cache_aware.py weighs new conversations by it).
+        self.miss_rate = 0.0
+        self.pressure = 0.0
         # In flight by the model each lease asked for (a worker may serve several, and a
         # request for one is not demand for the others); no zero entries.
         self.inflight_by_model: dict[str, int] = {}
@@ -175,6 +205,9 @@ class Worker:
         # prompts as several) or has not yet seen end (an abort). Counted low while a scrape
         # is out (a request sent then counts as this process's). 0 without a fresh scrape.
         self.others = 0.0
+        # When a scrape last showed another sender's request on it (`others` of 1 or
+        # more): `EngineStats.at` of that scrape; -inf: never.
+        self.others_at = -math.inf
         # Learned by dispatch from completed requests: 1 / typical request duration, in
         # requests per second per running request. 0 until the first completion.
         self.pace = 0.0
@@ -383,8 +416,11 @@ class WorkerRegistry:
             note_cache(worker, worker.stats, stats)
             mine = worker.inflight if own is None else own
             worker.others = max(0.0, stats.running + stats.waiting - mine)
+            if worker.others >= 1.0:
+                worker.others_at = stats.at
         else:
             worker.others = 0.0
+            worker.miss_rate = worker.pressure = 0.0  # (stale: not weighed until scraped again)
         worker.stats = stats
         worker.sent_since_scrape = max(0, worker.sent_since_scrape - sent)
         worker.finished_since_scrape = max(0, worker.finished_since_scrape - finished)
