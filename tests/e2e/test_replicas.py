@@ -43,3 +43,31 @@ async def test_two_gateways_place_each_conversation_on_one_worker(fake_worker, g
     assert all(len(where) == 1 for where in placed.values()), placed
     # ...and the conversations spread: a shared system prompt does not draw them together.
     assert len({i for where in placed.values() for i in where}) >= 3, placed
+
+
+async def test_a_gateway_sees_another_replicas_requests_on_the_workers(
+    fake_worker, gateway, client
+):
+    """Behind replicas nothing is weighed by cache pressure (docs/dispatch.md): each
+    gateway must see the other's requests on the workers' pages (`Worker.others`), at
+    light load too, and mark them shared; a gateway alone marks none."""
+    import asyncio
+    import math
+
+    from vllm_gateway.app import REGISTRY
+
+    ws = [await fake_worker(models="m", ttft_ms=5, tpot_ms=40) for _ in range(2)]
+    a, b = [await gateway(ws, scrape=FAST_SCRAPES) for _ in range(2)]
+    b_client = client(b)
+
+    async def one(i: int) -> None:
+        await b_client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=10
+        )
+
+    for i in range(6):  # two at a time through b only, 0.4 s each: light load
+        await asyncio.gather(one(2 * i), one(2 * i + 1))
+    seen_by_a = [w.others_at for w in a.app[REGISTRY]]
+    seen_by_b = [w.others_at for w in b.app[REGISTRY]]
+    assert all(math.isfinite(t) for t in seen_by_a), seen_by_a  # b's requests, seen by a
+    assert not any(math.isfinite(t) for t in seen_by_b), seen_by_b  # its own: not others
