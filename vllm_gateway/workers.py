@@ -172,23 +172,16 @@ class Worker:
         # Prefill it owes this process's streamed requests not yet answered with a first
         # byte: the prompt bytes it probably does not cache (dispatch/lease.py).
         self.backlog = 0
-        # The share of the prompt tokens it was sent lately that it did not find cached,
-        # from its own counters (`note_cache`); 0 while unknown.
-        self.miss = 0.0
-        # Prompt tokens it prefilled per second lately, by the same counters (`note_cache`),
-        # and that rate over its KV cache in tokens: how fast its prefix cache turns over
-        # (1 / how long it keeps what it is not sent again); 0 while unknown
-        # (dispatch/policies/cache_aware.py weighs new conversations by it).
-        self.miss_rate = 0.0
-        self.pressure = 0.0
-        # In flight by the model each lease asked for (a worker may serve several, and a
-        # request for one is not demand for the others); no zero entries.
+        # From its own prefix-cache counters (`note_cache`; 0 while unknown): the share of
+        # prompt tokens it missed lately, the tokens it prefilled per second, and that rate
+        # over its KV cache in tokens (how fast its cache turns over: policies/pressure.py).
+        self.miss = self.miss_rate = self.pressure = 0.0
+        # In flight by the model each lease asked for (not demand for its others); no zeros.
         self.inflight_by_model: dict[str, int] = {}
         # Requests it runs at once, as the operator declared it (its vLLM --max-num-seqs);
         # 0: not declared, dispatch learns it (dispatch/buckets.py).
         self.max_num_seqs = max_num_seqs
-        self.sent_since_scrape = 0  # requests sent since `stats` was taken
-        self.finished_since_scrape = 0  # requests that ended since `stats` was taken
+        self.sent_since_scrape = self.finished_since_scrape = 0  # sent, ended since `stats`
         self.stats: EngineStats | None = None  # None: never scraped, or the snapshot is stale
         # Whether its KV cache has been seen to bind: vLLM kept requests waiting while it
         # ran far fewer than it has run (dispatch/kv_queue.py). Then `kv_free`: the tokens
@@ -205,13 +198,11 @@ class Worker:
         # prompts as several) or has not yet seen end (an abort). Counted low while a scrape
         # is out (a request sent then counts as this process's). 0 without a fresh scrape.
         self.others = 0.0
-        # When a scrape last showed another sender's request on it (`others` of 1 or
-        # more): `EngineStats.at` of that scrape; -inf: never.
-        self.others_at = -math.inf
+        self.others_at = -math.inf  # `EngineStats.at` of the last scrape with `others` >= 1
         # Learned by dispatch from completed requests: 1 / typical request duration, in
-        # requests per second per running request. 0 until the first completion.
+        # requests per second per running request. 0 until the first completion. Then the
+        # time to streamed first bytes and the prefill bytes awaited (prefill_rate.py).
         self.pace = 0.0
-        # Time to streamed first bytes and the prefill bytes awaited (prefill_rate.py).
         self.prefill_seconds = self.prefill_bytes = 0.0
         # Requests it runs at once as dispatch knows it (configured, learned from its
         # queue, or the probing limit; dispatch/buckets.py); 0 while unknown.

@@ -9,7 +9,8 @@ from collections import Counter
 
 import pytest
 
-from vllm_gateway.dispatch.policies.cache_aware import SHARED_SECONDS, CacheAware
+from vllm_gateway.dispatch.policies.cache_aware import CacheAware
+from vllm_gateway.dispatch.policies.pressure import SHARED_SECONDS
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.workers import (
     PRESSURE_FLOOR,

@@ -434,9 +434,6 @@ class Buckets:
             # and the share of prompt tokens its own counters say it missed lately.
             "prefill_backlog": worker.backlog,
             "cache_miss": round(worker.miss, 3),
-            # Prompt tokens its counters say it prefilled per second lately (cache_aware
-            # weighs new conversations by it over its KV cache: Worker.pressure).
-            "cache_missed_per_s": round(worker.miss_rate, 1),
             # What other senders (replicas, sibling processes, direct clients) had on it at
             # its last scrape: the capacity gate counts them.
             "others": round(worker.others, 1),

@@ -5,49 +5,33 @@ not hold in its prefix cache, plus the wait its load implies. The capacity gate
 (buckets.py) already leaves out the workers that are full, so no candidate adds a queue
 wait; what is left to weigh is the prefill saved against the balance given up:
 
-1. **History** (the prefill saved is large): the candidates that were sent this
-   conversation's earlier turns hold its history, which only its own turns share
-   (prefix_index.py: the conversation key, then the blocks after it). Of those holding
-   the most, the first in the key's rendezvous order (weighed as in 2) within a looser
-   bound (`HISTORY_SLACK`); past it on all of them, for a later turn, the least loaded holder
-   with a batch slot free by the gate's measure (it prefills only what it adds there,
-   its whole history anywhere else). Only when no holder has room, or none has a known
-   capacity, is the history prefilled again elsewhere (but the turn first waits in the
-   gateway for a full holder's next slot when that comes sooner: patience.py, reading
-   `preferred` and the bytes it sets in `RequestInfo.saved`). But a stray (its history on none
-   of its preamble's planned workers, and shorter than the preamble) goes back to one
-   within its fair share (`_back_home`).
+1. **History** (the prefill saved is large): the candidates the index (prefix_index.py)
+   says hold the most of this conversation's own history; the first in the key's
+   rendezvous order within a looser bound (`HISTORY_SLACK`), else, for a later turn, the
+   least loaded holder with a batch slot free. Only when no holder has room is the
+   history prefilled again elsewhere (after waiting for a full holder's slot when that
+   comes sooner: patience.py, via `preferred` and `RequestInfo.saved`). A stray (its
+   history on none of its preamble's planned workers, shorter than the preamble) goes
+   back to one within its fair share (`_back_home`).
 2. **Otherwise** (a new conversation, or its history is not known here): the first
-   worker in the key's rendezvous order whose load stays within the load bound, among
-   the workers its preamble needs. The key is the conversation's stable start
-   (prefix_hash.py: the messages up to the first user message), so every turn of a
-   conversation, and every replica of the gateway, gets the same home without sharing
-   any state. A later turn whose history this process does not know (another replica
-   placed it) takes that home past the load bound while it has a batch slot free: the
-   bound reads this replica's own in-flight view, which the other's does not share.
-   The preamble (the system prompt) is shared by many conversations: they go to the
-   `ceil(workers x share / load_bound)` workers its share of the recent conversations
-   needs, as the plan deals them (preamble_plan.py; else the first of its own rendezvous
-   order, the workers the plan fills last), so each worker caches few preambles and has
-   room for histories; among them, a lone gateway (no other sender's requests seen on the
-   candidates for `SHARED_SECONDS`) weighs the key's order by each one's cache pressure
-   (`Worker.pressure`: prompt tokens its own counters say it prefilled per second, over
-   its KV cache), so a new history goes where it is kept longest. Past the bound on all
-   of those, its next worker in that order with room (its overflow, alike in every
-   replica). A holder of the preamble gets the
-   history's looser bound. A shared start of the first user message (a document quoted
-   for questions about it; `_shared`) is a preamble too. A first turn with no preamble
-   leaves a home owing far more prefill than the others, as a later turn does
-   (`_leave_congested`).
+   worker in the key's rendezvous order within the load bound, among the workers its
+   preamble needs. The key is the conversation's stable start (prefix_hash.py), so every
+   turn and every replica gets the same home without sharing any state; a later turn
+   whose history this process does not know (another replica placed it) takes that home
+   past the bound while it has a batch slot free. A preamble (a system prompt, or a
+   shared start of the first user message: `_shared`) is shared by many conversations:
+   they go to the `ceil(workers x share / load_bound)` workers its share needs, as the
+   plan deals them (preamble_plan.py; else the first of its own order, the workers the
+   plan fills last), so each worker caches few preambles and has room for histories;
+   past the bound on all of those, its next worker in that order with room (overflow).
+   A holder of the preamble gets the history's looser bound. A first turn with no
+   preamble leaves a home owing far more prefill than the others (`_leave_congested`).
 
-The load bound, per worker, is `LoadView.fits` (load_view.py). Rendezvous weighs by
-`weight` and, under a preamble in a lone gateway, the cache pressure the workers report
-(squared; only when every candidate within its limit reports one and none ran another
-sender's requests lately), never by pace: behind replicas the order must be the same in
-each, and pace and pressure are each replica's own readings, taken at other moments. Requests
-without prompt text (token ids) go to the least expected wait, as with `queue`. Every
-request's blocks are recorded on the worker chosen; the step that chose is
-`RequestInfo.placed` (the access log's), one of `PLACED`.
+Rendezvous weighs by `weight`, never by pace (each replica's own reading); a lone gateway
+also weighs a preamble's choices by cache pressure (pressure.py). The load bound is
+`LoadView.fits` (load_view.py). Without prompt text (token ids): the least expected wait,
+as `queue`. Every request's blocks are recorded on the worker chosen; the step that
+chose is `RequestInfo.placed` (the access log's), one of `PLACED` (docs/dispatch.md).
 """
 
 from __future__ import annotations
@@ -62,6 +46,7 @@ from vllm_gateway.dispatch.backlog import uncached, worth_checking
 from vllm_gateway.dispatch.kv_queue import BYTES_PER_TOKEN, has_kv_room
 from vllm_gateway.dispatch.policies.cache_wait import history_saved, wanted_holders
 from vllm_gateway.dispatch.policies.load_view import LoadView
+from vllm_gateway.dispatch.policies.pressure import weighed_rank
 from vllm_gateway.dispatch.policies.queue import QueuePolicy
 from vllm_gateway.dispatch.policies.rendezvous import Ranks, rendezvous_rank
 from vllm_gateway.dispatch.preamble_plan import Shares, wanted
@@ -78,11 +63,6 @@ from vllm_gateway.workers import Worker
 # has a batch slot free (`LoadView.least_loaded_with_room`): there the saving is the whole
 # history.
 HISTORY_SLACK = 2.0
-# A worker that showed another sender's request (`Worker.others`) within this many seconds
-# of its last scrape is shared: no choice among it is weighed by cache pressure. Other
-# replicas at light load leave a worker's page without their requests for seconds at a
-# time; a minute covers that, and a gateway alone again weighs a minute later.
-SHARED_SECONDS = 60.0
 # Models whose preamble shares are kept (then they start over).
 MAX_MODELS = 1024
 # `RequestInfo.placed`, the step that chose (docs/dispatch.md, "cache_aware"): 1, 1a, 2 among
@@ -109,7 +89,7 @@ class CacheAware:
         self.shared = 0  # what the last request shared with many, as counted (`_shared`)
         self.new = True  # whether it was its conversation's first request here (counted)
         self._step = "preamble"  # which of `_preamble_home`'s choices it made last
-        self._weigh = False  # whether `_home` weighs by cache pressure (a preamble shared)
+        self._weigh = False  # whether `_home` may weigh by cache pressure (a preamble shared)
 
     def select(self, candidates: Sequence[Worker], info: RequestInfo) -> Worker | None:
         blocks = info.prefix_blocks()
@@ -126,6 +106,7 @@ class CacheAware:
         # completions under one template) are as many samples as requests.
         self.new = new = not blocks.continued or not self.index.known(blocks.key)
         share = shares.add(preamble, new)
+        self._weigh = bool(preamble)
         if len(candidates) == 1:
             worker: Worker | None = candidates[0]
             info.placed = "only"
@@ -259,7 +240,6 @@ class CacheAware:
             info.placed = "load"
             return self._fallback.select(candidates, info)
         view.stretched = info.stretched
-        self._weigh = bool(preamble)
         if blocks.continued and view.owed:
             self._leave_congested(view, blocks, preamble)
         held = HISTORY_SLACK * (self._bound - 1.0)
@@ -422,16 +402,13 @@ class CacheAware:
         """Of the candidates at indexes `among`, the first in the key's rendezvous order
         within its load limit (`LoadView.fits`; `extra`: a number, or (extra, for holders of
         the preamble, the preamble)). `sticky`: a candidate with a batch slot free
-        (`LoadView.has_room`) needs nothing more. When the request shares a preamble,
-        every one within its limit reports a cache pressure and none ran another
-        sender's requests lately (`SHARED_SECONDS`), each rank is weighed by its
-        pressure squared (docs/dispatch.md "Cache pressure")."""
+        (`LoadView.has_room`) needs nothing more. Under a shared preamble, the ranks
+        weighed by cache pressure where they may be (pressure.py)."""
         best, best_rank, seeds, seed_of = None, math.inf, self._ranks.seeds, self._ranks.seed
         candidates, congested = view.candidates, view.congested or ()
         alone = len(among) == 1  # (a conversation's one holder, most often: no order to take)
         extra = extra if isinstance(extra, float) or extra[2] else extra[0]  # (no preamble)
-        weigh = self._weigh  # a preamble shared, and every one that fits reports its pressure
-        weighed, weighed_rank = None, math.inf
+        weigh, weighed, low = self._weigh, None, math.inf  # (a preamble shared)
         for j in among:
             if j in congested:
                 continue
@@ -445,24 +422,12 @@ class CacheAware:
             rank = rendezvous_rank(key, w, seeds.get(w.url) or seed_of(w))
             if rank < best_rank:
                 best, best_rank = w, rank
-            if weigh:
-                # Under a shared preamble, weighted by the square of its cache pressure
-                # (Worker.pressure, from its own counters): of two workers, one whose cache
-                # turns over twice as fast for its size is weighed a quarter of the other
-                # (0.2 of the choices against 0.8), so histories go where they stay longest.
-                p = w.pressure
-                stats = w.stats
-                if stats is not None and stats.at - w.others_at < SHARED_SECONDS:
-                    # Another sender (a replica, a sibling process) had requests on it
-                    # lately: a later turn may reach one that never saw this conversation,
-                    # which takes the plain order, the same in every replica; a weight read
-                    # seconds apart would send it elsewhere (docs/dispatch.md).
+            if weigh:  # (under a preamble: by cache pressure, pressure.py)
+                r = weighed_rank(w, rank)
+                if r is None:
                     weigh = False
-                elif p:
-                    if rank * p * p < weighed_rank:
-                        weighed, weighed_rank = w, rank * p * p
-                elif w.weight > 0:  # (unknown: the others' figures do not compare with it)
-                    weigh = False
+                elif r < low:
+                    weighed, low = w, r
         return weighed if weigh and weighed is not None else best
 
     def _leave_congested(self, view: LoadView, blocks: PrefixBlocks, preamble: int) -> None:
