@@ -90,28 +90,36 @@ PRESSURE_FLOOR = 1.0
 def note_cache(worker: Worker, before: EngineStats | None, now: EngineStats) -> None:
     """Fold the prefix-cache counters' increase since the last scrape into `worker.miss`,
     `worker.miss_rate` and `worker.pressure` (those two back to 0, unknown, when the
-    counters or the cache size are gone, or the counters went back: a restarted engine
-    starts with an empty cache)."""
+    counters are gone or went back, a restarted engine's cache being empty; the pressure
+    alone when the cache size is gone)."""
     if now.cache_queries is None or now.cache_hits is None:
-        worker.miss_rate = worker.pressure = 0.0
+        forget_rate(worker)
         return
     if before is None or before.cache_queries is None or before.cache_hits is None:
         return
     queried = now.cache_queries - before.cache_queries
     hit = now.cache_hits - before.cache_hits
     if not 0 <= hit <= queried < math.inf:  # restarted, nonsense
-        worker.miss_rate = worker.pressure = 0.0
+        forget_rate(worker)
         return
     dt = now.at - before.at
     if 0 < dt < math.inf:
-        # Tokens it prefilled (the prompt it did not hold) per second.
+        # Tokens it prefilled (the prompt it did not hold) per second, averaged over the
+        # span seen since the last reset (`miss_seen`: the weight that span has; the first
+        # interval alone is the whole average, not a sixteenth of it).
         a = -math.expm1(-dt / PRESSURE_SECONDS)
-        worker.miss_rate += a * ((queried - hit) / dt - worker.miss_rate)
+        worker.miss_seen += a * (1.0 - worker.miss_seen)
+        worker.miss_rate += a / worker.miss_seen * ((queried - hit) / dt - worker.miss_rate)
     tokens = now.cache_tokens or 0.0  # (capped at scrape: fleet/scrape.py)
-    ok = 0 < tokens < math.inf
+    ok = 0 < tokens < math.inf and worker.miss_seen > 0  # (and a rate measured)
     worker.pressure = (worker.miss_rate + PRESSURE_FLOOR) / tokens if ok else 0.0
     if queried > 0:  # (idle: no share to learn)
         worker.miss += MISS_WEIGHT * (1.0 - hit / queried - worker.miss)
+
+
+def forget_rate(worker: Worker) -> None:
+    """Its missed-token rate and cache pressure unknown again (0), their average restarted."""
+    worker.miss_rate = worker.pressure = worker.miss_seen = 0.0
 
 
 class Worker:
@@ -133,6 +141,7 @@ class Worker:
         "max_num_seqs",
         "miss",
         "miss_rate",
+        "miss_seen",
         "models",
         "others",
         "others_at",
@@ -175,7 +184,7 @@ class Worker:
         # From its own prefix-cache counters (`note_cache`; 0 while unknown): the share of
         # prompt tokens it missed lately, the tokens it prefilled per second, and that rate
         # over its KV cache in tokens (how fast its cache turns over: policies/pressure.py).
-        self.miss = self.miss_rate = self.pressure = 0.0
+        self.miss = self.miss_rate = self.pressure = self.miss_seen = 0.0
         # In flight by the model each lease asked for (not demand for its others); no zeros.
         self.inflight_by_model: dict[str, int] = {}
         # Requests it runs at once, as the operator declared it (its vLLM --max-num-seqs);
@@ -411,7 +420,7 @@ class WorkerRegistry:
                 worker.others_at = stats.at
         else:
             worker.others = 0.0
-            worker.miss_rate = worker.pressure = 0.0  # (stale: not weighed until scraped again)
+            forget_rate(worker)  # (stale: not weighed until scraped again)
         worker.stats = stats
         worker.sent_since_scrape = max(0, worker.sent_since_scrape - sent)
         worker.finished_since_scrape = max(0, worker.finished_since_scrape - finished)

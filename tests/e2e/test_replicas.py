@@ -65,7 +65,7 @@ async def test_a_gateway_sees_another_replicas_requests_on_the_workers(
             model="m", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=10
         )
 
-    for i in range(6):  # two at a time through b only, 0.4 s each: light load
+    for i in range(16):  # two at a time through b only, 0.4 s each: light load
         await asyncio.gather(one(2 * i), one(2 * i + 1))
     seen_by_a = [w.others_at for w in a.app[REGISTRY]]
     seen_by_b = [w.others_at for w in b.app[REGISTRY]]

@@ -409,7 +409,7 @@ def describe_worker(w: Worker, now: float) -> dict[str, object]:
         "token_bytes": round(w.token_bytes, 2) if w.token_bytes else None,
         "prefill_ms_per_kib": round(seconds_per_byte(w) * 1024e3, 3) or None,
         # Prompt tokens its prefix-cache counters say it prefilled per second lately
-        # (0: unknown; over its KV cache, the cache pressure cache_aware weighs: workers.py).
+        # (0: idle or unknown; over its KV cache, the pressure cache_aware weighs: workers.py).
         "cache_missed_per_s": round(w.miss_rate, 1),
         "stats_age_seconds": round(now - stats.at, 3) if stats else None,
         "completed": w.completed,

@@ -29,7 +29,7 @@ def weighed_rank(worker: Worker, rank: float) -> float | None:
     """`rank` times the worker's cache pressure squared: of two workers, one whose cache
     turns over twice as fast is weighed a quarter of the other (0.2 of the choices against
     0.8). None when the choice may not be weighed (shared, or no pressure reported); a
-    worker of weight 0 (rank inf) never stops it."""
+    worker of weight 0 (rank inf) reporting none does not stop it (shared, it does)."""
     stats = worker.stats
     if stats is not None and stats.at - worker.others_at < SHARED_SECONDS:
         return None
