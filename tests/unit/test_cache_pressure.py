@@ -248,3 +248,68 @@ def test_a_scrape_showing_another_senders_requests_marks_the_worker_shared():
     assert w.others == 3 and w.others_at == 7.0
     registry.set_stats(w, EngineStats(2, 0, None, 9.0), own=3)
     assert w.others == 0 and w.others_at == 7.0  # (remembered)
+
+
+def test_a_popular_preambles_conversations_are_weighed_among_its_planned_workers_only():
+    """Two equally popular preambles on four workers are planned two workers each
+    (preamble_plan.py); the pressure decides between a preamble's two workers, never
+    sends a conversation past them, and leaves the plan as it was."""
+    systems = [f"manual number {s}: " + "read it closely. " * 150 for s in range(2)]
+
+    def placed(pressures: list[float]) -> dict[int, Counter[int]]:
+        ws = workers(4)
+        for w, p in zip(ws, pressures, strict=True):
+            w.pressure = p
+        policy = CacheAware(random.Random(0))
+        where: dict[int, Counter[int]] = {0: Counter(), 1: Counter()}
+        for i in range(600):
+            s = i % 2
+            chosen = policy.select(ws, first_turn(i, systems[s]))
+            assert chosen is not None
+            if i >= 200:  # once the shares are counted and the plan made
+                where[s][ws.index(chosen)] += 1
+        return where
+
+    plain = placed([0.0] * 4)
+    pairs = {s: set(on) for s, on in plain.items()}
+    assert all(len(pair) == 2 for pair in pairs.values()) and not pairs[0] & pairs[1], plain
+    # In each pair, one worker's cache turns over ten times as fast as the other's.
+    pressures = [0.0] * 4
+    for pair in pairs.values():
+        low, high = sorted(pair)
+        pressures[low], pressures[high] = 1e-3, 1e-2
+    weighed = placed(pressures)
+    for s, on in weighed.items():
+        assert set(on) <= pairs[s], (s, on, pairs)  # never past its planned workers
+        low = min(pairs[s])
+        assert on[low] > 0.95 * sum(on.values()), (s, on)  # shares 100 : 1
+
+
+def test_a_history_held_by_two_workers_goes_to_the_one_whose_cache_turns_over_slower():
+    """A conversation held on two workers (its turn went to a second while the first was
+    full): its next turn, under a preamble, takes the holders' order weighed by pressure,
+    as a new conversation does, not the plain order."""
+    ws = workers(6)
+    policy = CacheAware(random.Random(0))
+    to_low = 0
+    for c in range(20):
+        user = f"conversation {c}: " + "a long question. " * 300  # longer than the preamble
+        first = {"model": "m", "messages": [
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]}  # fmt: skip
+        a = policy.select(ws, RequestInfo("/v1/chat/completions", b"", "m", True, "a", {}, first))
+        rest = [w for w in ws if w is not a]
+        b = policy.select(rest, RequestInfo("/v1/chat/completions", b"", "m", True, "b", {}, first))
+        assert a is not None and b is not None and a is not b
+        answer = {"role": "assistant", "content": "an answer"}
+        later = {"model": "m", "messages": [*first["messages"], answer,
+                                            {"role": "user", "content": "more"}]}  # fmt: skip
+        for w in ws:
+            w.pressure = 1e-3
+        a.pressure = 1e-1  # a's cache turns over a hundred times as fast as b's
+        info = RequestInfo("/v1/chat/completions", b"", "m", True, "c", {}, later)
+        chosen = policy.select(ws, info)
+        assert chosen in (a, b) and info.placed == "history", (chosen, info.placed)
+        to_low += chosen is b
+        for w in ws:
+            w.pressure = 0.0
+    assert to_low >= 18, to_low  # weighed shares 10^4 : 1 (a key's plain order: ~half)
