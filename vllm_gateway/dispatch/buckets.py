@@ -23,7 +23,7 @@ while this process's in-flight requests to it reach its capacity, or they and wh
 other senders had on it at its last scrape (`Worker.others`: other replicas, sibling
 processes of `serve --processes N`, clients that go around the gateway) do. A sibling
 process is gated as a replica is: by its own requests and the others' at the last scrape,
-not by a fixed 1/N of the capacity (measured: docs/benchmarks.md). So requests wait in
+not by a fixed 1/N of the capacity (measured: docs/dispatch-rounds.md). So requests wait in
 the gateway, where the first slot freed anywhere takes the head of the admission queue,
 and not inside a full worker's queue, also before anything was learned. The capacity
 is, first found first:

@@ -73,7 +73,7 @@ HOT = 4
 # a conversation a turn after the other), and each plan that follows a share's wobble
 # moves preambles (each a prefill); simulated (`scripts/bench_plan`), 2 rather than 3 let
 # the replicas' plans differ more often on four shapes of six (flat: 0.115 against 0.068
-# of the requests), for a better balance on three (docs/benchmarks.md).
+# of the requests), for a better balance on three (docs/dispatch-rounds.md).
 Z = 3.0
 # Conversations over which shares are measured (cache_aware's window), and the schedule's
 # period in requests.
@@ -334,7 +334,7 @@ def _filled(
     around a worker's part moves about 1/n of the rare preambles at a plan that crosses it
     (behind two replicas, until both have planned again); a margin of `Z` standard errors
     below it kept the workers an early plan from few samples filled for a thousand
-    requests, and the rare preambles piled onto the others (docs/benchmarks.md)."""
+    requests, and the rare preambles piled onto the others (docs/dispatch-rounds.md)."""
     if not planned or total <= 0:
         return frozenset()
     usable = [x if x > 0 and math.isfinite(x) else 0.0 for x in slot_weights]

@@ -13,7 +13,7 @@ prefilled; cache_aware `_cold`) sent with none of this process's backlog ahead. 
 requests' bytes are guesses (dispatch/backlog.py) that count at least the worker's recent
 miss share of each prompt (`Worker.miss`), where a turn on its holder misses a few hundred
 bytes: learned over those, the rate came out at a third of the fake worker's on `longchat`
-(docs/benchmarks.md, "Waiting for a slot on the holder"). A worker sent no cold prompt
+(docs/dispatch-rounds.md, "Waiting for a slot on the holder"). A worker sent no cold prompt
 while idle has no rate (0.0), and nothing waits on one. A ratio of smoothed sums, not a
 mean of ratios: a long prefill weighs more than a short one, whose time is mostly the
 worker's fixed latency (which the rate still includes: where cold prompts are all short,

@@ -45,7 +45,7 @@ BYTES_PER_TOKEN = 16
 # for blocks), silently; counted high, the index kept naming a worker the holder of
 # documents and histories it had evicted, so their conversations, new ones too, kept
 # going there (with a holder's looser load bound) to prefill them again, each copy
-# evicting the next (docchat: docs/benchmarks.md "The index sized at the measured bytes
+# evicting the next (docchat: docs/dispatch-rounds.md "The index sized at the measured bytes
 # per token"). The other error, forgetting what the worker still holds, is the smaller at
 # the measured figure (the cache keeps about what fits), if the figure is right: other
 # senders' longer prompts, or requests vLLM aborts without counting them, read it low.

@@ -5,7 +5,7 @@ reach them in no particular order. Each process's cache_aware keeps its own inde
 it sent where (dispatch/prefix_index.py) and its own count of the preambles' shares
 (dispatch/preamble_plan.py), so a turn that reaches the process that did not send the turn
 before does not know where its history is, and moves it when that process's rendezvous
-order, plan or loads differ from the other's (docs/benchmarks.md measured 21 history
+order, plan or loads differ from the other's (docs/dispatch-rounds.md measured 21 history
 re-prefills with two processes against 4 with one, and a TTFT p99 three times one
 process's). Here every placement a process makes (the model, the worker's URL, what the
 prompt shares with many as cache_aware counted it, its preamble and block names) goes to

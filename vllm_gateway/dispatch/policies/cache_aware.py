@@ -180,7 +180,7 @@ class CacheAware:
         take this request as the probe (buckets.py `stretch`): for a later turn, whose
         history elsewhere is prefilled again whole. Not for a first turn: sent past the
         limit to its preamble's or document's worker, docqa's hit rate fell (median of 6
-        runs 0.745 to 0.718, TTFT p99 alike; docs/benchmarks.md)."""
+        runs 0.745 to 0.718, TTFT p99 alike; docs/dispatch-rounds.md)."""
         blocks = info.prefix_blocks()
         return blocks is not None and blocks.continued
 
