@@ -312,4 +312,4 @@ def test_a_history_held_by_two_workers_goes_to_the_one_whose_cache_turns_over_sl
         to_low += chosen is b
         for w in ws:
             w.pressure = 0.0
-    assert to_low >= 18, to_low  # weighed shares 10^4 : 1 (a key's plain order: ~half)
+    assert to_low >= 18, to_low  # weighed shares 10^4 : 1 (plain: `a`, the key's first)
