@@ -313,3 +313,42 @@ def test_a_history_held_by_two_workers_goes_to_the_one_whose_cache_turns_over_sl
         for w in ws:
             w.pressure = 0.0
     assert to_low >= 18, to_low  # weighed shares 10^4 : 1 (plain: `a`, the key's first)
+
+
+def test_a_stray_goes_back_to_the_planned_worker_whose_cache_turns_over_slower():
+    """A first turn sent past its preamble's planned pair (both full then) copies the
+    preamble elsewhere; its next turn, with a history shorter than the preamble, goes back
+    to the pair (1a, `_back_home`), taking the pair's order weighed by cache pressure as
+    a new conversation does: to the cooler of the two."""
+    systems = [f"manual number {s}: " + "read it closely. " * 150 for s in range(2)]
+    ws = workers(4)
+    policy = CacheAware(random.Random(0))
+    where: Counter[int] = Counter()
+    for i in range(400):  # the shares counted and the plan made: two workers each
+        chosen = policy.select(ws, first_turn(i, systems[i % 2]))
+        assert chosen is not None
+        if i >= 200 and i % 2 == 0:
+            where[ws.index(chosen)] += 1
+    pair = [ws[j] for j in where]
+    assert len(pair) == 2, where
+    cool, hot = pair
+    back: Counter[str] = Counter()
+    for c in range(20):
+        first = first_turn(1000 + c, systems[0])
+        stray = policy.select([w for w in ws if w not in pair], first)
+        assert stray is not None and stray not in pair
+        later_doc = {"model": "m", "messages": [
+            {"role": "system", "content": systems[0]},
+            {"role": "user", "content": f"conversation {1000 + c}: " + "words " * 60},
+            {"role": "assistant", "content": "an answer"},
+            {"role": "user", "content": "and then?"}]}  # fmt: skip
+        for w in ws:
+            w.pressure = 1e-3
+        hot.pressure = 1e-2  # its cache turns over ten times as fast as `cool`'s
+        info = RequestInfo("/v1/chat/completions", b"", "m", True, f"l{c}", {}, later_doc)
+        chosen = policy.select(ws, info)
+        assert info.placed == "back" and chosen in pair, (info.placed, chosen)
+        back["cool" if chosen is cool else "hot"] += 1
+        for w in ws:
+            w.pressure = 0.0
+    assert back["cool"] >= 18, back  # weighed shares 100 : 1 (plain: by each key's order)
