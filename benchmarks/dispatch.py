@@ -14,7 +14,9 @@ and the workers' prefix-cache hit rate (hits / queries, from the increase of the
 the run's requests (its access log's `placed`, counted: benchmarks/placements.py) and the
 tokens the workers prefilled for each step (their request logs, joined on request id),
 and for every system the later turns moved off their turn before's worker (`moved`),
-and for the gateway the popular preambles its plans moved (`plan_moves`, its /metrics).
+and every later turn by what its worker held, with the tokens each kind prefilled
+(`later`, `later_tokens`: kept, evicted, moved), and for the gateway the popular
+preambles its plans moved (`plan_moves`, its /metrics).
 Every figure is the median over --runs runs; systems take turns within a run, and every
 system sees the same conversations in a run (same seed).
 
@@ -39,7 +41,7 @@ from benchmarks.families import FAMILIES, Family, Sizes
 from benchmarks.machine import cpu_ticks, idle_since, wait_quiet
 from benchmarks.placements import brief as placed_brief
 from benchmarks.placements import (
-    moved_of_files,
+    later_of_files,
     of_files,
     plan_moves,
     prefill_brief,
@@ -135,7 +137,7 @@ def measure(family: Family, system: System, seed: int, args: argparse.Namespace,
     finally:
         stop(procs)
     if args.placements:  # the workers' logs (and the gateways'), every line written
-        result["moved"] = moved_of_files(worker_logs(len(workers)))
+        result |= later_of_files(worker_logs(len(workers)))
     if logged:
         gateways = gateway_logs(system.policy, args.replicas)
         result["placed"] = placed_brief(of_files(gateways))
@@ -205,7 +207,9 @@ def parse_args() -> argparse.Namespace:
                          "(placed=history:N/home:N/...;waited:N) and the tokens the workers "
                          "prefilled for each (prefill=history:N/...); for every system, "
                          "the later turns that no worker of the turn before prefilled "
-                         "(moved=N); for the gateway, the popular preambles its plans "
+                         "(moved=N), and every later turn by what its worker held "
+                         "(later=kept:N/evicted:N/moved:N, later_tokens=... the tokens "
+                         "each prefilled); for the gateway, the popular preambles its plans "
                          "moved (plan_moves=N, from its /metrics)")  # fmt: skip
     ap.add_argument("--from-json", metavar="PATH",
                     help="report a bench-out/dispatch-families-r<N>.json again")  # fmt: skip

@@ -9,7 +9,10 @@ and how many waited in the gateway. Warm-up requests count too: the log has no p
 prefilled (the benchmark's request ids are `<conversation>-t<turn>`, benchmarks/traffic.py;
 read from the workers' logs, so for vllm-router too): each such move prefills the
 conversation's history again where it lands (and the shared prefix before it, if that
-worker lacks it).
+worker lacks it). `later` counts every later turn by what its worker held: `kept` (it
+prefilled what the turn added), `evicted` (the turn before's worker, which had evicted the
+history: more than half the prompt prefilled), `moved`; `later_tokens` the tokens each
+kind prefilled. So a run says whether its lost reuse is moves or a cache too small.
 
 `plan_moves` is the gateways' own count of the popular preambles their plans moved
 (`vllm_gateway_preamble_plan_moves_total`, read from /metrics as the run ends): the plan's
@@ -70,31 +73,75 @@ def of_files(paths: Iterable[Path]) -> Counter[str]:
     return count(_lines(paths))
 
 
-def moved(workers: Sequence[Iterable[str]]) -> int:
-    """Later turns that no worker of their turn before prefilled, by the request logs of
-    the fake workers (`workers[i]`: worker i's lines) whose request ids are
-    `<conversation>-t<turn>` (other lines are skipped; a turn with no line before it, e.g.
-    refused, counts nothing). A turn retried elsewhere has a line on each worker it tried
-    (the logs do not say which came last): it moved only if none of them is one of its
-    turn before's. From the workers' logs, so it reads any system in front."""
-    where: dict[tuple[str, int], set[int]] = {}
+Turn = tuple[str, int]  # (conversation, turn number), from a `<conversation>-t<turn>` id
+Line = tuple[int, int, int]  # (worker, prompt tokens, uncached tokens) of one prefill line
+
+
+def _turns(workers: Sequence[Iterable[str]]) -> dict[Turn, list[Line]]:
+    """Each turn's prefill lines in the fake workers' request logs (`workers[i]`: worker
+    i's lines; ids not `<conversation>-t<turn>` and broken lines are skipped). A turn
+    retried elsewhere has a line on each worker it tried."""
+    where: dict[Turn, list[Line]] = {}
     for i, lines in enumerate(workers):
         for e in _entries(lines, "prefill"):
             rid = e.get("request_id")
             if isinstance(rid, str):
                 conversation, sep, turn = rid.rpartition("-t")
                 if sep and turn.isascii() and turn.isdigit():
-                    where.setdefault((conversation, int(turn)), set()).add(i)
-    return sum(
-        1
-        for (c, t), these in where.items()
-        if t and (c, t - 1) in where and not these & where[c, t - 1]
-    )
+                    prompt, uncached = e.get("prompt_tokens"), e.get("uncached_tokens")
+                    if not (isinstance(prompt, int) and isinstance(uncached, int)):
+                        prompt = uncached = 0
+                    where.setdefault((conversation, int(turn)), []).append((i, prompt, uncached))
+    return where
+
+
+def later_turns(workers: Sequence[Iterable[str]]) -> tuple[Counter[str], Counter[str]]:
+    """The later turns (those with a line for the turn before) by what their worker held,
+    and the tokens they prefilled: `moved`, no worker of the turn before prefilled it (the
+    logs do not say which of a retry's attempts came last: it moved only if none of them
+    is one of its turn before's); `evicted`, one of the turn before's workers did, but
+    prefilled more than half its prompt there (it had evicted the history); `kept`, the
+    rest (it prefilled what the turn added). Counts, then tokens. From the workers' logs,
+    so it reads any system in front."""
+    where = _turns(workers)
+    turns: Counter[str] = Counter()
+    tokens: Counter[str] = Counter()
+    for (c, t), lines in where.items():
+        before = where.get((c, t - 1)) if t else None
+        if before is None:
+            continue
+        there = {w for w, _, _ in before}
+        kept = [(u, p) for w, p, u in lines if w in there]
+        if not kept:
+            kind = "moved"
+        else:
+            uncached, prompt = min(kept)
+            kind = "evicted" if 2 * uncached > prompt else "kept"
+        turns[kind] += 1
+        tokens[kind] += sum(u for _, _, u in lines)
+    return turns, tokens
+
+
+def moved(workers: Sequence[Iterable[str]]) -> int:
+    """Later turns that no worker of their turn before prefilled (`later_turns`)."""
+    return later_turns(workers)[0]["moved"]
 
 
 def moved_of_files(workers: Iterable[Path]) -> int:
     """`moved` over the workers' log files (one missing counts as empty)."""
     return moved([_lines([path]) for path in workers])
+
+
+def later_of_files(workers: Iterable[Path]) -> dict[str, object]:
+    """`later_turns` over the workers' log files, as result fields: moved=N (as before),
+    later=kept:N/evicted:N/moved:N and later_tokens=kept:N/evicted:N/moved:N."""
+    turns, tokens = later_turns([_lines([path]) for path in workers])
+    kinds = ("kept", "evicted", "moved")
+    return {
+        "moved": turns["moved"],
+        "later": "/".join(f"{k}:{turns[k]}" for k in kinds),
+        "later_tokens": "/".join(f"{k}:{tokens[k]}" for k in kinds),
+    }
 
 
 def brief(counts: Counter[str]) -> str:

@@ -27,7 +27,15 @@ from benchmarks.families import (
     multiturn,
     ragchat,
 )
-from benchmarks.placements import brief, count, moved, plan_moves, prefill, prefill_brief
+from benchmarks.placements import (
+    brief,
+    count,
+    later_turns,
+    moved,
+    plan_moves,
+    prefill,
+    prefill_brief,
+)
 from benchmarks.traffic import render
 from benchmarks.workload import WorkerSpec, bursts, poisson
 from vllm_gateway.fake_worker.metrics import CacheInfo, EngineMetrics
@@ -292,6 +300,28 @@ def test_moved_counts_later_turns_another_worker_prefilled_than_the_turn_before(
         assert moved(files) == 0
     assert moved([[line % "r-t0"], [line % "r-t1"], [line % "r-t1"]]) == 1
     assert moved([[line % "u-t0"], [line % "u-t\u00b2"]]) == 0  # not an ASCII turn: skipped
+
+
+def test_later_turns_tell_a_kept_history_from_an_evicted_one_and_a_move() -> None:
+    """--placements: each later turn by what its worker held, from the workers' logs: on a
+    worker of the turn before, prefilling what it added (kept) or more than half its
+    prompt (evicted: that worker had dropped the history); elsewhere (moved). With the
+    tokens each kind prefilled, a retry's lines all counted."""
+    line = '{"event": "prefill", "request_id": "%s", "prompt_tokens": %d, "uncached_tokens": %d}'
+    one = [line % ("a-t0", 100, 100), line % ("a-t1", 300, 60), line % ("a-t2", 500, 400)]
+    one += [line % ("b-t0", 80, 80), line % ("r-t0", 50, 50), line % ("r-t1", 90, 90)]
+    two = [line % ("b-t1", 200, 200), line % ("r-t1", 90, 40), line % ("z-t3", 9, 9)]
+    two.append('{"event": "prefill", "request_id": "b-t2", "prompt_tokens": "x"}')
+    turns, tokens = later_turns([one, two])
+    # a: t1 kept (60 of 300), t2 evicted (400 of 500); b: t1 moved, t2 kept on b-t1's
+    # worker (its line's token counts are not numbers: 0); r: t1 retried, one line on r-t0's
+    # worker, judged there (90 of 90: evicted), both lines' tokens counted; z: no t2.
+    assert turns == {"kept": 2, "evicted": 2, "moved": 1}
+    assert tokens == {"kept": 60, "evicted": 400 + 90 + 40, "moved": 200}
+    assert moved([one, two]) == 1
+    assert later_turns([]) == ({}, {})
+    # Exactly half is still kept: more than half is evicted.
+    assert later_turns([[line % ("h-t0", 9, 9), line % ("h-t1", 10, 5)]])[0] == {"kept": 1}
 
 
 def test_plan_moves_sums_models_and_takes_one_process_of_each() -> None:
