@@ -11,8 +11,9 @@ read from the workers' logs, so for vllm-router too): each such move prefills th
 conversation's history again where it lands (and the shared prefix before it, if that
 worker lacks it). `later` counts every later turn by what its worker held: `kept` (it
 prefilled what the turn added), `evicted` (the turn before's worker, which had evicted the
-history: more than half the prompt prefilled), `moved`; `later_tokens` the tokens each
-kind prefilled. So a run says whether its lost reuse is moves or a cache too small.
+history: less than half the turn before's prompt found cached), `moved`; `later_tokens`
+the tokens each kind prefilled. So a run says whether its lost reuse is moves or a cache
+too small.
 
 `plan_moves` is the gateways' own count of the popular preambles their plans moved
 (`vllm_gateway_preamble_plan_moves_total`, read from /metrics as the run ends): the plan's
@@ -100,9 +101,11 @@ def later_turns(workers: Sequence[Iterable[str]]) -> tuple[Counter[str], Counter
     and the tokens they prefilled: `moved`, no worker of the turn before prefilled it (the
     logs do not say which of a retry's attempts came last: it moved only if none of them
     is one of its turn before's); `evicted`, one of the turn before's workers did, but
-    prefilled more than half its prompt there (it had evicted the history); `kept`, the
-    rest (it prefilled what the turn added). Counts, then tokens. From the workers' logs,
-    so it reads any system in front."""
+    found cached less than half of the turn before's prompt (it had evicted the history;
+    measured against the turn before, not this turn's own length, so a new message longer
+    than the history is no eviction); `kept`, the rest (it prefilled what the turn added).
+    A line whose token counts are not numbers says nothing of what was held. Counts, then
+    tokens. From the workers' logs, so it reads any system in front."""
     where = _turns(workers)
     turns: Counter[str] = Counter()
     tokens: Counter[str] = Counter()
@@ -111,12 +114,14 @@ def later_turns(workers: Sequence[Iterable[str]]) -> tuple[Counter[str], Counter
         if before is None:
             continue
         there = {w for w, _, _ in before}
-        kept = [(u, p) for w, p, u in lines if w in there]
-        if not kept:
+        held = max(p for _, p, _ in before)  # the turn before's prompt, cached where it ran
+        cached = [p - u for w, p, u in lines if w in there and p > 0]
+        if not any(w in there for w, _, _ in lines):
             kind = "moved"
+        elif cached and 2 * max(cached) < held:
+            kind = "evicted"
         else:
-            uncached, prompt = min(kept)
-            kind = "evicted" if 2 * uncached > prompt else "kept"
+            kind = "kept"
         turns[kind] += 1
         tokens[kind] += sum(u for _, _, u in lines)
     return turns, tokens
@@ -125,11 +130,6 @@ def later_turns(workers: Sequence[Iterable[str]]) -> tuple[Counter[str], Counter
 def moved(workers: Sequence[Iterable[str]]) -> int:
     """Later turns that no worker of their turn before prefilled (`later_turns`)."""
     return later_turns(workers)[0]["moved"]
-
-
-def moved_of_files(workers: Iterable[Path]) -> int:
-    """`moved` over the workers' log files (one missing counts as empty)."""
-    return moved([_lines([path]) for path in workers])
 
 
 def later_of_files(workers: Iterable[Path]) -> dict[str, object]:

@@ -304,24 +304,29 @@ def test_moved_counts_later_turns_another_worker_prefilled_than_the_turn_before(
 
 def test_later_turns_tell_a_kept_history_from_an_evicted_one_and_a_move() -> None:
     """--placements: each later turn by what its worker held, from the workers' logs: on a
-    worker of the turn before, prefilling what it added (kept) or more than half its
-    prompt (evicted: that worker had dropped the history); elsewhere (moved). With the
-    tokens each kind prefilled, a retry's lines all counted."""
+    worker of the turn before, finding at least half the turn before's prompt cached
+    (kept) or less (evicted: that worker had dropped the history); elsewhere (moved).
+    With the tokens each kind prefilled, a retry's lines all counted."""
     line = '{"event": "prefill", "request_id": "%s", "prompt_tokens": %d, "uncached_tokens": %d}'
     one = [line % ("a-t0", 100, 100), line % ("a-t1", 300, 60), line % ("a-t2", 500, 400)]
     one += [line % ("b-t0", 80, 80), line % ("r-t0", 50, 50), line % ("r-t1", 90, 90)]
     two = [line % ("b-t1", 200, 200), line % ("r-t1", 90, 40), line % ("z-t3", 9, 9)]
     two.append('{"event": "prefill", "request_id": "b-t2", "prompt_tokens": "x"}')
     turns, tokens = later_turns([one, two])
-    # a: t1 kept (60 of 300), t2 evicted (400 of 500); b: t1 moved, t2 kept on b-t1's
-    # worker (its line's token counts are not numbers: 0); r: t1 retried, one line on r-t0's
-    # worker, judged there (90 of 90: evicted), both lines' tokens counted; z: no t2.
+    # a: t1 kept (240 cached of the 100 before), t2 evicted (100 of the 300 before); b: t1
+    # moved, t2 on b-t1's worker, its line's counts not numbers: nothing says evicted; r: t1
+    # retried, judged on r-t0's worker (0 of 50 cached: evicted), both lines' tokens
+    # counted; z: no t2 line, so t3 is not a later turn here.
     assert turns == {"kept": 2, "evicted": 2, "moved": 1}
     assert tokens == {"kept": 60, "evicted": 400 + 90 + 40, "moved": 200}
     assert moved([one, two]) == 1
     assert later_turns([]) == ({}, {})
-    # Exactly half is still kept: more than half is evicted.
-    assert later_turns([[line % ("h-t0", 9, 9), line % ("h-t1", 10, 5)]])[0] == {"kept": 1}
+    # A new message longer than the whole history before it is no eviction: 40 of the 40
+    # before are cached, though 128 of its 168 tokens are prefilled.
+    assert later_turns([[line % ("n-t0", 40, 40), line % ("n-t1", 168, 128)]])[0] == {"kept": 1}
+    # Half the turn before's prompt cached is still kept; less is evicted.
+    assert later_turns([[line % ("h-t0", 10, 10), line % ("h-t1", 30, 25)]])[0] == {"kept": 1}
+    assert later_turns([[line % ("h-t0", 10, 10), line % ("h-t1", 30, 26)]])[0] == {"evicted": 1}
 
 
 def test_plan_moves_sums_models_and_takes_one_process_of_each() -> None:

@@ -316,7 +316,7 @@ def test_a_history_held_by_two_workers_goes_to_the_one_whose_cache_turns_over_sl
 
 
 def test_a_stray_goes_back_to_the_planned_worker_whose_cache_turns_over_slower():
-    """A first turn sent past its preamble's planned pair (both full then) copies the
+    """A first turn sent past its preamble's planned pair (both left out by the gate) copies the
     preamble elsewhere; its next turn, with a history shorter than the preamble, goes back
     to the pair (1a, `_back_home`), taking the pair's order weighed by cache pressure as
     a new conversation does: to the cooler of the two."""
