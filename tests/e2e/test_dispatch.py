@@ -52,7 +52,10 @@ async def test_a_slow_worker_gets_no_new_requests_within_a_second(fake_worker, g
             task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
     to_slow, to_others = new[0], new[1] + new[2]
-    assert to_slow == 0, (to_slow, to_others)
+    # At most one: when one of its slow answers ends, its freed slot may tie with a fast
+    # worker whose scraped load lags by a scrape (seen once in a CI run: 1 against 144);
+    # a gateway still feeding it would send it about a third (~50) in this window.
+    assert to_slow <= 1, (to_slow, to_others)
     assert to_others >= 20  # the fleet kept serving on the other two
 
 
