@@ -127,7 +127,13 @@ def measure(family: Family, system: System, seed: int, args: argparse.Namespace,
     procs = list(worker_procs)
     try:
         system_procs, urls = start_system(
-            system, workers, args.replicas, router_bin, args.gateway_processes, logged
+            system,
+            workers,
+            args.replicas,
+            router_bin,
+            args.gateway_processes,
+            logged,
+            args.replica_sync,
         )
         procs += system_procs
         start = cpu_ticks()
@@ -170,6 +176,9 @@ def parse_args() -> argparse.Namespace:
                     help="gateway policies (default: its default and prefix)")  # fmt: skip
     ap.add_argument("--replicas", type=int, default=1,
                     help="processes of each system, requests alternating between them")  # fmt: skip
+    ap.add_argument("--replica-sync", action="store_true",
+                    help="with --replicas N: the gateway's replicas tell each other where "
+                         "they placed which prompt (serve --replica-listen, --peer)")  # fmt: skip
     ap.add_argument("--gateway-processes", type=int, default=1,
                     help="the gateway as serve --processes N (its processes share one port; "
                          "the kernel spreads the client's connections over them)")  # fmt: skip
@@ -223,7 +232,9 @@ def run_all(
     results: dict[str, dict[str, list[dict]]] = {
         f.name: {s.name: [] for s in chosen} for f in families
     }
-    key = report.doc_key("families", args.replicas, args.gateway_processes, args.kv_wait, args.api)
+    key = report.doc_key(
+        "families", args.replicas, args.gateway_processes, args.kv_wait, args.api, args.replica_sync
+    )
     key = key.replace(" ", "-")
     raw = OUT / f"dispatch-{key}.json"
     for run in range(args.runs):
@@ -261,12 +272,13 @@ def main() -> None:
         lines = report.table(results[family.name], kinds, args.runs)
         processes = args.gateway_processes
         kv = args.kv_wait
+        sync = args.replica_sync
         block = report.section(
-            family.name, args.replicas, setup, args.runs, lines, processes, kv, args.api
+            family.name, args.replicas, setup, args.runs, lines, processes, kv, args.api, sync
         )
         print("\n" + "\n".join(block), flush=True)
         if not args.no_doc:
-            key = report.doc_key(family.name, args.replicas, processes, kv, args.api)
+            key = report.doc_key(family.name, args.replicas, processes, kv, args.api, sync)
             report.write_doc(key, block)
 
 

@@ -83,8 +83,11 @@ def section(
     processes: int = 1,
     kv_wait: bool = False,
     api: str = "chat",
+    sync: bool = False,
 ) -> list[str]:
     title = f"#### {family}" + (f", {replicas} replicas of each system" if replicas > 1 else "")
+    if sync:
+        title += ", the gateway's telling each other their placements (`[replicas]`)"
     if api != "chat":
         title += ", each turn a `/v1/completions` prompt (`--api completions`)"
     if processes > 1:
@@ -95,11 +98,18 @@ def section(
 
 
 def doc_key(
-    family: str, replicas: int, processes: int = 1, kv_wait: bool = False, api: str = "chat"
+    family: str,
+    replicas: int,
+    processes: int = 1,
+    kv_wait: bool = False,
+    api: str = "chat",
+    sync: bool = False,
 ) -> str:
-    """The doc block's name: family, replicas, and the gateway's processes when not 1,
-    `kv` for workers that wait for KV blocks, and the API when not chat."""
-    key = f"{family} r{replicas}" + (f" p{processes}" if processes > 1 else "")
+    """The doc block's name: family, replicas (`sync`: the gateway's told each other their
+    placements), and the gateway's processes when not 1, `kv` for workers that wait for
+    KV blocks, and the API when not chat."""
+    key = f"{family} r{replicas}" + (" sync" if sync else "")
+    key += f" p{processes}" if processes > 1 else ""
     return key + (" kv" if kv_wait else "") + (f" {api}" if api != "chat" else "")
 
 

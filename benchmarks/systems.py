@@ -8,6 +8,7 @@ with its own view of them (as behind an L4 balancer). Logs go to bench-out/.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,13 +74,16 @@ def start_system(
     router_bin: str | None,
     processes: int = 1,
     access_log: bool = False,
+    sync: bool = False,
 ) -> tuple[list[Proc], list[str]]:
     """Start `replicas` of `system` in front of `workers`: procs and entry URLs. The
     gateway runs as `serve --processes processes` (vllm-router as it is: one process
     using every core), with its access log into its log file if `access_log`
-    (`gateway_logs` names the files)."""
+    (`gateway_logs` names the files); `sync`: its replicas tell each other their
+    placements (`[replicas]`, every one given the same list of all of them)."""
     procs: list[Proc] = []
     urls: list[str] = []
+    feeds = [f"127.0.0.1:{free_port()}" for _ in range(replicas)] if sync else []
     try:
         for r in range(replicas):
             if system.kind == ROUTER:
@@ -87,7 +91,8 @@ def start_system(
                 name = f"dispatch-router-{system.policy}-{r}"
                 proc, url = start_router(router_bin, workers, ["--policy", system.policy], name)
             else:
-                proc, url = _start_gateway(system.policy, workers, r, processes, access_log)
+                peers = (feeds[r], feeds) if feeds else None
+                proc, url = _start_gateway(system.policy, workers, r, processes, access_log, peers)
             procs.append(proc)
             urls.append(url)
     except Exception:
@@ -107,7 +112,12 @@ def gateway_logs(policy: str, replicas: int) -> list[Path]:
 
 
 def _start_gateway(
-    policy: str, workers: list[str], replica: int, processes: int = 1, access_log: bool = False
+    policy: str,
+    workers: list[str],
+    replica: int,
+    processes: int = 1,
+    access_log: bool = False,
+    peers: tuple[str, list[str]] | None = None,
 ) -> tuple[Proc, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "vllm_gateway", "serve", "--port", str(port)]
@@ -118,8 +128,14 @@ def _start_gateway(
         cmd += ["--worker", url]
     if access_log:
         cmd.append("--access-log")
+    env = None
+    if peers is not None:  # (listen, every replica's address)
+        cmd += ["--replica-listen", peers[0]]
+        for address in peers[1]:
+            cmd += ["--peer", address]
+        env = {**os.environ, "VLLM_GATEWAY_REPLICAS_TOKEN": "bench-dispatch-replicas"}
     log = str(gateway_logs(policy, replica + 1)[replica])
-    proc = Proc(f"gateway-{policy}-{replica}", cmd, log, cwd=ROOT)
+    proc = Proc(f"gateway-{policy}-{replica}", cmd, log, cwd=ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", 30, proc)
     return proc, url

@@ -8,6 +8,8 @@ without leaving a task or a socket behind.
 from __future__ import annotations
 
 import random
+import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -54,7 +56,7 @@ from vllm_gateway.log import get_logger
 from vllm_gateway.observe.access_log import AccessLog
 from vllm_gateway.observe.status import StatusViews
 from vllm_gateway.observe.telemetry import ReloadCounters, RequestMetrics
-from vllm_gateway.process.placement_feed import PlacementFeed, share_placements
+from vllm_gateway.process.placement_feed import PlacementFeed, peer_feed, share_placements
 from vllm_gateway.process.siblings import Siblings
 from vllm_gateway.proxy.pool import UpstreamPool
 from vllm_gateway.proxy.relay import Relay
@@ -187,14 +189,19 @@ def create_app(
     # CORS preflights are answered inside the gate (errors answered, hooks fired) and
     # before client keys (the gate admits no key for a preflight).
     middlewares = [gate.middleware, cors_preflight(g.routes.cors)]
-    siblings = None
+    siblings, feeds = None, None
     if process_count > 1:
         assert control_dir is not None, "several processes need a control_dir"
         siblings = Siblings(process_index, process_count, control_dir)
         middlewares.insert(0, siblings.middleware())
         g.status.process, g.status.siblings = process_index, siblings
-        feed = share_placements(g.dispatcher, g.registry, process_index, process_count, control_dir)
-        g.status.feed = feed
+        feeds = partial(PlacementFeed.siblings, process_index, process_count, control_dir)
+    peers = None
+    if config.replicas.enabled:  # (the processes of one replica share its id)
+        ident = f"{socket.gethostname()}:{control_dir or secrets.token_hex(8)}"
+        peers = peer_feed(config.replicas, ident, process_count > 1)
+    if feeds is not None or peers is not None:
+        g.status.feed, g.status.peers = share_placements(g.dispatcher, g.registry, feeds, peers)
     app = web.Application(
         middlewares=middlewares,
         # aiohttp enforces this on bodies without Content-Length; routes check the header.
@@ -213,7 +220,9 @@ def create_app(
     app.add_subapp("/admin/", g.admin.app())
     app.cleanup_ctx.extend(_lifetimes(g, process_index == 0))
     if siblings is not None:
-        app.cleanup_ctx.append(_siblings_ctx(siblings, feed))
+        app.cleanup_ctx.append(_siblings_ctx(siblings, g.status.feed))
+    if g.status.peers is not None:
+        app.cleanup_ctx.append(_siblings_ctx(None, g.status.peers))
     return app
 
 
@@ -419,13 +428,20 @@ def _lifetimes(g: Gateway, first_process: bool) -> list[Lifetime]:
     return [upstream_ctx, prober_ctx, scraper_ctx, fleet_ctx]
 
 
-def _siblings_ctx(siblings: Siblings, feed: PlacementFeed) -> Lifetime:
+def _siblings_ctx(siblings: Siblings | None, feed: PlacementFeed | None) -> Lifetime:
+    """The sibling processes' control sockets and placement feed, or (`siblings` None) the
+    feed to the peer replicas: open while the app runs."""
+
     async def siblings_ctx(app: web.Application) -> AsyncIterator[None]:
-        await siblings.open()
-        await feed.open()
+        if siblings is not None:
+            await siblings.open()
+        if feed is not None:
+            await feed.open()
         yield
-        await feed.close()
-        await siblings.close()
+        if feed is not None:
+            await feed.close()
+        if siblings is not None:
+            await siblings.close()
 
     return siblings_ctx
 

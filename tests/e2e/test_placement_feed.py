@@ -16,13 +16,8 @@ from tests.conftest import FAST_PROBES, wait_until
 from tests.support.processes import sibling_apps
 from vllm_gateway.app import DISPATCHER, REGISTRY
 from vllm_gateway.config.gateway import GatewayConfig, WorkerSpec
-from vllm_gateway.process.placement_feed import (
-    BATCH,
-    MAX_LINE,
-    MAX_NAMES,
-    PlacementFeed,
-    feed_path,
-)
+from vllm_gateway.process.feed_links import MAX_LINE
+from vllm_gateway.process.placement_feed import BATCH, MAX_NAMES, PlacementFeed, feed_path
 from vllm_gateway.workers import WorkerState
 
 pytestmark = pytest.mark.timeout(40)
@@ -34,7 +29,7 @@ async def three_feeds() -> AsyncIterator[tuple[str, list[PlacementFeed], list[li
     got: list[list[tuple]] = [[], [], []]
     with tempfile.TemporaryDirectory() as d:
         feeds = [
-            PlacementFeed(i, 3, d, lambda *p, i=i: got[i].append(p))  # type: ignore[misc]
+            PlacementFeed.siblings(i, 3, d, lambda *p, i=i: got[i].append(p))  # type: ignore[misc]
             for i in range(3)
         ]
         for f in feeds:
@@ -91,14 +86,14 @@ async def test_a_sibling_that_goes_away_is_reconnected_and_one_that_stalls_is_sk
         feeds[0].publish("m", "u", 0, 0, [1])  # 1 is away: dropped for it
         await asyncio.sleep(0)
         assert feeds[0].dropped == 1
-        feeds[1] = PlacementFeed(1, 3, d, lambda *p: got[1].append(p))
+        feeds[1] = PlacementFeed.siblings(1, 3, d, lambda *p: got[1].append(p))
         await feeds[1].open()
         await wait_until(lambda: feeds[0]._peers[0].transport is not None, timeout=5)
         feeds[0].publish("m", "u", 0, 0, [2])
         await wait_until(lambda: len(got[1]) == 1, timeout=5)
         assert got[1][0][4] == [2] and [p[4] for p in got[2]] == [[1], [2]]
         # Sibling 2 stops reading: its buffer fills, then it is skipped; 1 keeps up.
-        for stalled in feeds[2]._readers:
+        for stalled in feeds[2]._inbound:
             assert stalled.transport is not None
             stalled.transport.pause_reading()  # type: ignore[attr-defined]
         names = [2**62 + n for n in range(MAX_NAMES - 1)]  # ~1.4 KB a placement
@@ -181,7 +176,7 @@ async def test_a_sibling_away_is_retried_once_a_second_however_often_others_reco
     connect to its away siblings now, but there stays one retry per sibling, not one
     chain per restart."""
     with tempfile.TemporaryDirectory() as d:
-        feeds = [PlacementFeed(i, 3, d, lambda *p: None) for i in range(2)]
+        feeds = [PlacementFeed.siblings(i, 3, d, lambda *p: None) for i in range(2)]
         for f in feeds:
             await f.open()
         tries = []
@@ -196,7 +191,7 @@ async def test_a_sibling_away_is_retried_once_a_second_however_often_others_reco
         try:
             for _ in range(5):
                 await feeds[1].close()
-                feeds[1] = PlacementFeed(1, 3, d, lambda *p: None)
+                feeds[1] = PlacementFeed.siblings(1, 3, d, lambda *p: None)
                 await feeds[1].open()
                 await wait_until(lambda: feeds[0]._peers[0].transport is not None, timeout=5)
             start = len(tries)
@@ -215,7 +210,7 @@ async def test_a_placement_that_fails_to_apply_costs_its_line_not_the_connection
 
     got: list[str] = []
     with tempfile.TemporaryDirectory() as d:
-        feed = PlacementFeed(0, 2, d, apply)
+        feed = PlacementFeed.siblings(0, 2, d, apply)
         await feed.open()
         try:
             _, writer = await asyncio.open_unix_connection(feed_path(d, 0))

@@ -135,6 +135,14 @@ def test_names_inside_the_key_are_crcs_of_prefixes_wherever_the_cuts_fall(system
     assert p.blocks[: p.first] == [zlib.crc32(data[: d * BLOCK_BYTES]) | d << 32 for d in depths]
     after = min(len(data) // BLOCK_BYTES, key_end // BLOCK_BYTES + 32) - key_end // BLOCK_BYTES
     assert len(p.blocks) == p.first + 1 + after
+    # After the key: the CRC chained on from the key's over each block (the one holding the
+    # key's end read from its start), tagged with where the block ends, in blocks.
+    start = key_end // BLOCK_BYTES
+    names = [
+        zlib.crc32(data[start * BLOCK_BYTES : (start + i) * BLOCK_BYTES], p.key) | start + i << 32
+        for i in range(1, after + 1)
+    ]
+    assert p.blocks[p.first + 1 :] == names
 
 
 @pytest.mark.parametrize(

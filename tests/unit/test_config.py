@@ -175,3 +175,52 @@ policy = "prefix"
     with pytest.raises(ConfigError) as e:
         check_app_config(load_config(write(tmp_path, '[models.m]\npolicy = "fastest"\n'), env={}))
     assert e.value.problems[0].startswith('models."m".policy: unknown policy')
+
+
+@pytest.mark.parametrize(
+    ("text", "parsed"),
+    [
+        ("10.0.0.2:8101", ("10.0.0.2", 8101)),
+        ("gw-1.internal:0", ("gw-1.internal", 0)),
+        ("[::1]:8101", ("::1", 8101)),
+        (" host:1 ", ("host", 1)),
+        ("host", "not HOST:PORT"),
+        (":8101", "not HOST:PORT"),
+        ("host:", "port must be a number"),
+        ("host:65536", "port must be a number"),
+        ("host:-1", "port must be a number"),
+        ("::1:8101", "in brackets"),
+        ("[::1:8101", "in brackets"),
+        ("http://host:8101", "not a URL"),
+        ("a/b:1", "the host may hold"),
+        ("ho st:1", "the host may hold"),
+        ("höst:1", "the host may hold"),
+    ],
+)
+def test_replica_addresses_parse_or_say_what_is_wrong(text, parsed):
+    from vllm_gateway.config.replicas import parse_address
+
+    if isinstance(parsed, tuple):
+        assert parse_address(text) == parsed
+    else:
+        with pytest.raises(ValueError, match=parsed):
+            parse_address(text)
+
+
+def test_replicas_need_a_token_and_addresses_that_parse():
+    token = "t" * 16
+    assert load_config(env={}).replicas.enabled is False
+    good = load_config(env={"VLLM_GATEWAY_REPLICAS_PEERS": "a:1,b:2"}, overrides={
+        "replicas": {"listen": "0.0.0.0:8101", "token": token}})  # fmt: skip
+    assert good.replicas.peers == ("a:1", "b:2") and good.replicas.enabled
+    with pytest.raises(ConfigError) as e:
+        load_config(env={}, overrides={"replicas": {
+            "listen": "nowhere", "peers": ["a:1", "b:0", "c"], "token": "short"}})  # fmt: skip
+    lines = str(e.value).splitlines()
+    assert any("replicas.listen: 'nowhere' is not HOST:PORT" in line for line in lines)
+    assert any("replicas.peers[1]: 'b:0' has port 0" in line for line in lines)
+    assert any("replicas.peers[2]: 'c' is not HOST:PORT" in line for line in lines)
+    assert any("replicas.token: set a shared secret of at least 16" in line for line in lines)
+    with pytest.raises(ConfigError, match="at most 64"):
+        load_config(env={}, overrides={"replicas": {
+            "peers": [f"h:{i + 1}" for i in range(65)], "token": token}})  # fmt: skip

@@ -63,9 +63,10 @@ def _load(config_path: str | None, overrides: dict[str, Any]) -> GatewayConfig:
 @click.option(
     "--policy",
     metavar="NAME",
-    help="Dispatch policy for every model without its own: queue (the default: least "
-    "expected wait), least_inflight, power_of_two, session, prefix, and the load-blind "
-    "round_robin and random; FastChat's shortest_queue and lottery are aliases.",
+    help="Dispatch policy for every model without its own: cache_aware (the default: "
+    "where the prompt's prefix is cached, within a load bound), queue (least expected "
+    "wait), least_inflight, power_of_two, session, prefix, and the load-blind round_robin "
+    "and random; FastChat's shortest_queue and lottery are aliases.",
 )
 @click.option(
     "--processes",
@@ -93,6 +94,20 @@ def _load(config_path: str | None, overrides: dict[str, Any]) -> GatewayConfig:
     metavar="SECONDS",
     help="On SIGTERM, how long requests in flight may take to finish.  [default: 30]",
 )
+@click.option(
+    "--replica-listen",
+    metavar="HOST:PORT",
+    help="Hear peer replicas' placements on this TCP port (its own, not the API's); needs "
+    "VLLM_GATEWAY_REPLICAS_TOKEN, the replicas' shared secret.",
+)
+@click.option(
+    "--peer",
+    "peers",
+    multiple=True,
+    metavar="HOST:PORT",
+    help="A peer replica's --replica-listen (repeatable): told where this gateway placed "
+    "each prompt, so a conversation's turns find their history through either replica.",
+)
 def serve(
     config_path: str | None,
     host: str | None,
@@ -104,6 +119,8 @@ def serve(
     log_level: str | None,
     access_log: bool | None,
     shutdown_timeout: float | None,
+    replica_listen: str | None,
+    peers: tuple[str, ...],
 ) -> None:
     """Run the gateway in front of the given workers.
 
@@ -123,6 +140,7 @@ def serve(
         "processes": processes,
         "log": {"format": log_format, "level": log_level, "access_log": access_log},
         "lifecycle": {"shutdown_timeout": shutdown_timeout},
+        "replicas": {"listen": replica_listen, "peers": list(peers) or None},
     }
     config = _load(config_path, overrides)
     from vllm_gateway.process.supervisor import serve as serve_config

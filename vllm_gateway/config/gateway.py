@@ -26,6 +26,7 @@ from vllm_gateway.config.fleet import (  # noqa: F401 - re-exported, see above
     ReloadConfig,
     ScaleRule,
 )
+from vllm_gateway.config.replicas import ReplicasConfig
 from vllm_gateway.config.settings import MAX_WEIGHT, setting
 
 # --- sections -------------------------------------------------------------------------------
@@ -445,5 +446,6 @@ class GatewayConfig:
         "(the body's model rewritten).",
     )
     lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
+    replicas: ReplicasConfig = field(default_factory=ReplicasConfig)
     reload: ReloadConfig = field(default_factory=ReloadConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)

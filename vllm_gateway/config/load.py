@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from vllm_gateway.config import settings
 from vllm_gateway.config.fleet import check_discovery
 from vllm_gateway.config.gateway import GatewayConfig
+from vllm_gateway.config.replicas import check_replicas
 from vllm_gateway.errors import ConfigError
 
 ENV_PREFIX = "VLLM_GATEWAY_"
@@ -99,6 +100,7 @@ def validate(config: GatewayConfig) -> list[str]:
         except ValueError:
             errors.append(f"registration.allowed_networks[{i}]: {net!r} is not a network (CIDR)")
     errors.extend(check_discovery(config.discovery))
+    errors.extend(check_replicas(config.replicas))
     return errors
 
 

@@ -7,11 +7,11 @@ encoded as UTF-8, or the chat `messages` as JSON (orjson's, so the same messages
 same bytes; one C call, cheaper than walking the messages in Python). It is cut into
 blocks of `BLOCK_BYTES`; each block-aligned prefix is named, so equal names mean equal
 prefixes, as in vLLM's own prefix cache, and a conversation's next turn (the same
-messages plus new ones) repeats every name of the turn before. Up to the key's end, a name
-is the CRC-32 of all of the prefix (one pass, each CRC going on from the one before:
-CRC-32 chains) tagged with its length in blocks: the same in every process, so replicas
-name a shared prefix alike. After the key, where only this process's index reads them,
-it is Python's `hash()` of the block and the name before it (cheaper per block).
+messages plus new ones) repeats every name of the turn before. A name is the CRC-32 of
+all of the prefix (one pass, each CRC going on from the one before: CRC-32 chains) tagged
+with its length in blocks: the same in every process and replica, so replicas name a
+shared prefix, and a conversation's history, alike, and may tell each other where they
+sent it (process/placement_feed.py).
 
 The **preamble** is what many conversations share: for chat, the messages before the first
 user message (the system prompt); its CRC-32 lets dispatch keep the conversations that
@@ -44,7 +44,7 @@ from typing import Any
 import orjson
 
 # 1 KiB: about 256 tokens of English text (16 of vLLM's default 16-token blocks), a turn
-# or two of a conversation. Each block costs a CRC or hash() call (~0.3-0.4 us), so the
+# or two of a conversation. Each block costs a CRC call (~0.3-1 us), so the
 # size trades the depth resolution of a match for CPU per request.
 BLOCK_BYTES = 1024
 # Blocks named inside the key, and again after it: 32 x 1 KiB = 32 KiB each; a longer
@@ -170,7 +170,7 @@ def _named(data: bytes, preamble_end: int, key_end: int, continued: bool) -> Pre
     """Name the prefixes of `data`. Up to the key's end, one CRC pass (the CRC of a prefix
     goes on from that of the prefix before it), cut at the preamble's end, at each block's
     end inside the key that lies `MIN_PREAMBLE_BYTES` past it, and at the key's end; after
-    it, each block's `hash()` chained from the key's."""
+    it, the CRC chained on over each block from the key's."""
     size = BLOCK_BYTES
     crc32 = zlib.crc32
     if len(data) < size:  # no block, and no preamble (shorter than one): the key alone
@@ -191,15 +191,19 @@ def _named(data: bytes, preamble_end: int, key_end: int, continued: bool) -> Pre
         pos = end
         blocks.append(crc | b << _TAG)
     first = len(blocks)
-    h = key = crc32(view[pos:key_end], crc)  # CRC-32 of data[:key_end]
+    crc = key = crc32(view[pos:key_end], crc)  # CRC-32 of data[:key_end]
     blocks.append(key)
-    # After the key, names only this process's index reads: Python's hash() of each block
-    # (salted per process; cheaper per call than a CRC of a memoryview slice), chained
-    # from the key's, the block holding the key's end read from its start.
+    # After the key, the CRC goes on over each block (the one holding the key's end read
+    # from its start), tagged with its end in blocks (so not the key's untagged name): the
+    # same in every process and replica, so a sibling or a peer told these names reads
+    # them as its own (placement_feed.py). Python's hash() was ~0.1 us a block cheaper,
+    # but salted per interpreter: two replicas would name the same history apart.
     start = key_end // size * size
-    for begin in range(start, min(len(data) // size, start // size + MAX_BLOCKS) * size, size):
-        h = hash((h, data[begin : begin + size]))
-        blocks.append(h)
+    stop = min(len(data) // size, start // size + MAX_BLOCKS) * size
+    for begin in range(start, stop, size):
+        end = begin + size
+        crc = crc32(view[begin:end], crc)
+        blocks.append(crc | (end // size) << _TAG)
     return PrefixBlocks(
         key, first, blocks, preamble, continued, len(data), key_end, preamble_end if preamble else 0
     )

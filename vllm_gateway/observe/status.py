@@ -57,6 +57,7 @@ class StatusViews:
     process: int | None = None
     siblings: Siblings | None = None
     feed: PlacementFeed | None = None
+    peers: PlacementFeed | None = None  # the placement feed to the peer replicas
     autoscaler: Autoscaler | None = None
     registration: Registration | None = None
     prober: Prober | None = None
@@ -85,6 +86,7 @@ class StatusViews:
             self.registration,
             self.prober,
             self.feed,
+            self.peers,
         )
         if self.siblings is not None and not self.siblings.asked_by_sibling(request):
             others = await self.siblings.collect(request)

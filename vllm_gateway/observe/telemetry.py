@@ -136,10 +136,11 @@ def render(
     registration: Registration | None = None,
     prober: Prober | None = None,
     feed: PlacementFeed | None = None,
+    peers: PlacementFeed | None = None,
 ) -> str:
     """The whole /metrics document. `started` is the process start, in Unix seconds;
-    `process` (with --processes N) labels every sample with the process's index, and
-    `feed` is its placement feed to the others."""
+    `process` (with --processes N) labels every sample with the process's index, `feed`
+    is its placement feed to the others, `peers` the one to the peer replicas."""
     metrics.prune({worker.url for worker in registry}, time.monotonic())
     w = Writer((("process", process),) if process is not None else ())
     p = "vllm_gateway_"
@@ -160,6 +161,8 @@ def render(
     _dispatch_metrics(w, metrics, dispatcher, workers)
     if feed is not None:
         _feed_metrics(w, feed)
+    if peers is not None:
+        _peer_metrics(w, peers)
 
     _reload_metrics(w, reloads)
     _process_metrics(w)
@@ -430,6 +433,29 @@ def _feed_metrics(w: Writer, feed: PlacementFeed) -> None:
         ("dropped", feed.dropped),
     ):
         w.sample(name, value, (("result", result),))
+
+
+def _peer_metrics(w: Writer, feed: PlacementFeed) -> None:
+    """What the placement feed told the peer replicas, heard from them, lost and refused."""
+    name = "vllm_gateway_replica_placements_total"
+    w.family(
+        name,
+        "counter",
+        "With [replicas]: cache_aware placements told to the peer replicas (told, once per "
+        "peer), applied from them (applied), lost (dropped: not told to a peer that was "
+        "away or too slow to read, or a line that failed), and connections in refused for "
+        "a wrong token (refused).",
+    )
+    for result, value in (
+        ("told", feed.sent),
+        ("applied", feed.received),
+        ("dropped", feed.dropped),
+        ("refused", feed.refused),
+    ):
+        w.sample(name, value, (("result", result),))
+    name = "vllm_gateway_replica_peers_connected"
+    w.family(name, "gauge", "Peer replicas this process is connected to now (of those listed).")
+    w.sample(name, feed.connected())
 
 
 def _process_metrics(w: Writer) -> None:

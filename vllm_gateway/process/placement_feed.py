@@ -35,17 +35,25 @@ import asyncio
 import contextlib
 import contextvars
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 
 import orjson
 
+from vllm_gateway.config.replicas import ReplicasConfig, parse_address
 from vllm_gateway.dispatch.dispatcher import Dispatcher
 from vllm_gateway.dispatch.policies import Policy
 from vllm_gateway.dispatch.policies.cache_aware import CacheAware
 from vllm_gateway.dispatch.prefix_hash import MAX_BLOCKS
 from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.log import get_logger
+from vllm_gateway.process.feed_links import (
+    Endpoint,
+    Hello,
+    Inbound,
+    Link,
+)
 from vllm_gateway.workers import Worker, WorkerRegistry
 
 log = get_logger("vllm_gateway.placement_feed")
@@ -54,14 +62,6 @@ _QUIET = contextvars.Context()
 # Placements per line: each is at most 2 x MAX_BLOCKS + 2 names of ~20 digits (~1.4 KB as
 # JSON) and two texts of at most `MAX_TEXT`.
 BATCH = 64
-# Longest line read (a batch at its largest is about 360 KB); past it the sender is not a
-# sibling of this build, and the connection is closed.
-MAX_LINE = 1 << 20
-# Bytes written to a sibling and not yet taken by it, at most: past this, placements for
-# it are dropped until it catches up (a process stalled for seconds at full load).
-MAX_BUFFERED = 4 << 20
-# A sibling that is away is tried again after this many seconds.
-RECONNECT_SECONDS = 1.0
 # Names one placement may carry: the key's blocks, the key's own name, the blocks after it,
 # and the preamble.
 MAX_NAMES = 2 * MAX_BLOCKS + 2
@@ -84,51 +84,106 @@ def feed_path(control_dir: str, index: int) -> str:
 
 
 class PlacementFeed:
-    """Sends this process's placements to its siblings, and applies theirs (`apply`)."""
+    """Sends this side's placements to its siblings or peers, and applies theirs (`apply`)."""
 
-    def __init__(self, index: int, count: int, control_dir: str, apply: Apply) -> None:
-        self.path = feed_path(control_dir, index)
+    def __init__(
+        self,
+        listen: Endpoint | None,
+        peers: Sequence[Endpoint],
+        apply: Apply,
+        *,
+        hello: Hello | None = None,
+        reuse_port: bool = False,
+    ) -> None:
+        self.listen = listen
+        self.hello = hello  # asked of every connection in, said on every one out
+        self._reuse_port = reuse_port  # (a TCP port every process of a replica listens on)
         self._apply = apply
-        self._peers = [_Peer(feed_path(control_dir, i)) for i in range(count) if i != index]
+        self._peers = [Link(endpoint) for endpoint in peers]
         self._outbox: list[Placement] = []
         self._scheduled = False
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.AbstractServer | None = None  # (None: not listening)
+        self._open = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._readers: set[_Reader] = set()
+        self._inbound: set[Inbound] = set()
         self.sent = 0  # placements written to siblings (once per sibling)
         self.received = 0  # placements applied from siblings
         self.dropped = 0  # placements not told to a sibling (away, too slow), lines not parsed
+        self.refused = 0  # connections in whose hello was not good (peers only)
         self._logged_drops = 0
         self._logged_at = self._failed_at = -LOG_EVERY
 
+    @classmethod
+    def siblings(cls, index: int, count: int, control_dir: str, apply: Apply) -> PlacementFeed:
+        """Process `index` of `count` (`serve --processes N`): unix sockets in `control_dir`."""
+        others = [feed_path(control_dir, i) for i in range(count) if i != index]
+        return cls(feed_path(control_dir, index), others, apply)
+
     async def open(self) -> None:
-        """Listen for the siblings' placements; connect to theirs as they are needed."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # left by a process that died (it is restarted)
+        """Listen for the siblings' or peers' placements; connect to theirs as they are
+        needed. A TCP address that cannot be listened on raises OSError."""
         self._loop = loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: _Reader(self), self.path)
+        listen = self.listen
+        if listen is None:
+            pass  # (a replica that only tells)
+        elif isinstance(listen, str):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(listen)  # left by a process that died (it is restarted)
+            self._server = await loop.create_unix_server(lambda: Inbound(self), listen)
+        else:
+            self._server = await loop.create_server(
+                lambda: Inbound(self),
+                listen[0],
+                listen[1],
+                reuse_port=self._reuse_port or None,
+                family=socket.AF_UNSPEC,
+            )
+        self._open = True
         for peer in self._peers:
             peer.start(self)
 
+    @property
+    def port(self) -> int | None:
+        """The TCP port listened on (a listen port of 0 picks one), None otherwise."""
+        if self._server is None or not isinstance(self.listen, tuple):
+            return None
+        sockets = getattr(self._server, "sockets", ())  # (an asyncio.Server's)
+        return int(sockets[0].getsockname()[1]) if sockets else None
+
+    def connected(self) -> int:
+        """Siblings or peers this side is connected to now."""
+        return sum(1 for link in self._peers if link.writable())
+
+    def found_itself(self, link: Link) -> None:
+        """`link` reached this replica's own feed (its address among the peers): it is
+        dropped, so its placements are neither sent nor counted as lost."""
+        with contextlib.suppress(ValueError):
+            self._peers.remove(link)
+        link.close()
+
     async def close(self) -> None:
-        server, self._server = self._server, None
-        if server is None:
+        if not self._open:
             return
-        server.close()
-        for reader in list(self._readers):
-            reader.close()
+        self._open = False
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for inbound in list(self._inbound):
+            inbound.close()
         for peer in self._peers:
             peer.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        await server.wait_closed()
+        if isinstance(self.listen, str):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.listen)
+        if server is not None:
+            await server.wait_closed()
 
     def publish(
         self, model: str, url: str, shared: int, preamble: int, names: Sequence[int]
     ) -> None:
         """This process sent a prompt for `model` with `names` (and `preamble`; sharing
         `shared` with many) to `url`."""
-        if self._server is None or len(model) > MAX_TEXT or len(url) > MAX_TEXT:
+        if not self._open or len(model) > MAX_TEXT or len(url) > MAX_TEXT:
             return
         if len(self._outbox) >= MAX_OUTBOX:
             self.dropped += len(self._peers)
@@ -143,7 +198,7 @@ class PlacementFeed:
     def _flush(self) -> None:
         self._scheduled = False
         outbox, self._outbox = self._outbox, []
-        if self._server is None or not outbox:
+        if not self._open or not outbox:
             return
         if not any(peer.writable() for peer in self._peers):
             self.dropped += len(outbox) * len(self._peers)  # (none serialised for nobody)
@@ -186,117 +241,6 @@ class PlacementFeed:
                 log.error("a sibling's placement failed to apply", error=f"{type(e).__name__}: {e}")
 
 
-class _Peer(asyncio.Protocol):
-    """This process's connection to one sibling's feed socket: made at open, and again
-    `RECONNECT_SECONDS` after each failure or loss while the feed is open."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.transport: asyncio.WriteTransport | None = None
-        self.feed: PlacementFeed | None = None  # set while the feed is open
-        self.connecting: asyncio.Task[None] | None = None  # the connect under way
-        self.retry: asyncio.TimerHandle | None = None  # the next try, when one is due
-
-    def start(self, feed: PlacementFeed) -> None:
-        self.feed = feed
-        self.connect_now()
-
-    def connect_now(self) -> None:
-        """Connect unless connected or connecting (a sibling that just connected to this
-        process is up: its socket is worth trying before the retry is due)."""
-        if self.feed is not None and self.transport is None and self.connecting is None:
-            if self.retry is not None:
-                self.retry.cancel()
-                self.retry = None
-            self.connecting = asyncio.get_running_loop().create_task(self._connect())
-
-    def write(self, data: bytes) -> bool:
-        """Write `data` to the sibling if connected and keeping up (else it is dropped);
-        whether it was written."""
-        if not self.writable():
-            return False
-        assert self.transport is not None
-        self.transport.write(data)
-        return True
-
-    def writable(self) -> bool:
-        t = self.transport
-        return t is not None and not t.is_closing() and t.get_write_buffer_size() <= MAX_BUFFERED
-
-    async def _connect(self) -> None:
-        try:
-            if self.feed is not None:
-                await asyncio.get_running_loop().create_unix_connection(lambda: self, self.path)
-        except OSError:  # not started yet, restarting, gone
-            self._again()
-        finally:
-            self.connecting = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if self.feed is None:  # closed meanwhile
-            transport.close()
-        else:
-            self.transport = transport  # type: ignore[assignment]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-        self._again()
-
-    def _again(self) -> None:
-        """Try again after `RECONNECT_SECONDS` (one timer per sibling, however many ask)."""
-        if self.feed is not None and self.retry is None:
-            self.retry = asyncio.get_running_loop().call_later(RECONNECT_SECONDS, self._due)
-
-    def _due(self) -> None:
-        self.retry = None
-        self.connect_now()
-
-    def close(self) -> None:
-        self.feed = None
-        if self.retry is not None:
-            self.retry.cancel()
-            self.retry = None
-        if self.transport is not None:
-            self.transport.close()
-            self.transport = None
-
-
-class _Reader(asyncio.Protocol):
-    """One sibling's connection to this process's feed socket: lines of placements."""
-
-    def __init__(self, feed: PlacementFeed) -> None:
-        self.feed = feed
-        self.buffer = bytearray()
-        self.transport: asyncio.BaseTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        self.feed._readers.add(self)
-        for peer in self.feed._peers:  # a sibling is up: connect to it, if not yet
-            peer.connect_now()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.feed._readers.discard(self)
-        self.transport = None
-
-    def data_received(self, data: bytes) -> None:
-        buffer = self.buffer
-        buffer += data
-        start = 0
-        while (end := buffer.find(b"\n", start)) >= 0:
-            self.feed.received_line(bytes(buffer[start:end]))
-            start = end + 1
-        del buffer[:start]
-        if len(buffer) > MAX_LINE:
-            self.feed.dropped += 1
-            self.close()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
-        self.buffer.clear()
-
-
 def _parse(line: bytes) -> list[tuple[str, str, int, int, list[int]]] | None:
     """A sibling's line as placements; None when anything in it is malformed."""
     try:
@@ -326,27 +270,54 @@ def _parse(line: bytes) -> list[tuple[str, str, int, int, list[int]]] | None:
     return out
 
 
+def peer_feed(
+    replicas: ReplicasConfig, ident: str, reuse_port: bool
+) -> Callable[[Apply], PlacementFeed]:
+    """What makes the feed to the peer replicas `replicas` names (validated: its addresses
+    parse), for the replica with id `ident` (its processes share it); `reuse_port`: every
+    process of this replica listens on the port."""
+    listen = parse_address(replicas.listen) if replicas.listen else None
+    peers = [parse_address(p) for p in replicas.peers]
+    hello = Hello(replicas.token, ident)
+    return lambda apply: PlacementFeed(listen, peers, apply, hello=hello, reuse_port=reuse_port)
+
+
 def share_placements(
-    dispatcher: Dispatcher, registry: WorkerRegistry, index: int, count: int, control_dir: str
-) -> PlacementFeed:
-    """Tell the siblings each placement a cache_aware policy of `dispatcher` makes, and
-    record theirs in the same policy's index here (the worker by its URL: each process has
-    its own Worker objects for the same workers)."""
+    dispatcher: Dispatcher,
+    registry: WorkerRegistry,
+    siblings: Callable[[Apply], PlacementFeed] | None,
+    peers: Callable[[Apply], PlacementFeed] | None,
+) -> tuple[PlacementFeed | None, PlacementFeed | None]:
+    """Tell the siblings (`serve --processes N`) and the peer replicas (`[replicas]`) each
+    placement a cache_aware policy of `dispatcher` makes, and record theirs in the same
+    policy's index here (the worker by its URL: each process has its own Worker objects
+    for the same workers). `siblings(apply)` and `peers(apply)` make the feeds (None: that
+    feed is off); the two made are returned. A peer's placement reaches one process of this
+    replica (its connection's), which tells its siblings too."""
 
     def apply(model: str, url: str, shared: int, preamble: int, names: Sequence[int]) -> None:
         policy = dispatcher.policy_for_model.get(model, dispatcher.policy)
         if isinstance(policy, CacheAware):  # (a worker not known here yet is still counted)
             policy.told(model, registry.get(url), shared, preamble, names)
 
-    feed = PlacementFeed(index, count, control_dir, apply)
-    publish = feed.publish
+    sibling_feed = siblings(apply) if siblings is not None else None
+
+    def from_peer(model: str, url: str, shared: int, preamble: int, names: Sequence[int]) -> None:
+        apply(model, url, shared, preamble, names)
+        if sibling_feed is not None:
+            sibling_feed.publish(model, url, shared, preamble, names)
+
+    peer_feed = peers(from_peer) if peers is not None else None
+    publishers = [f.publish for f in (sibling_feed, peer_feed) if f is not None]
 
     def placed(policy: Policy, info: RequestInfo, worker: Worker) -> None:
         if isinstance(policy, CacheAware):
             blocks = info.prefix_blocks()  # (computed once, by the policy's select)
             if blocks is not None:
                 shared = policy.shared if policy.new else -1  # (-1: not counted again)
-                publish(info.model, worker.url, shared, blocks.preamble, blocks.blocks)
+                for publish in publishers:
+                    publish(info.model, worker.url, shared, blocks.preamble, blocks.blocks)
 
-    dispatcher.on_placed = placed
-    return feed
+    if publishers:
+        dispatcher.on_placed = placed
+    return sibling_feed, peer_feed

@@ -40,6 +40,7 @@ RESTART_ONLY = (
     "auth.forward_authorization",
     "auth.worker_api_key",
     "registration",
+    "replicas",
     "telemetry.metrics",
     "telemetry.status_page",
 )

@@ -1,0 +1,163 @@
+"""`[replicas]`: gateways started apart tell each other where they placed which prompt, so
+a conversation's next turn finds its history through either one; a stranger who reaches
+the port without the token tells them nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+
+from tests.conftest import wait_until
+from tests.support.processes import free_port
+from vllm_gateway.app import DISPATCHER, GATEWAY, REGISTRY
+from vllm_gateway.config.replicas import ReplicasConfig
+from vllm_gateway.dispatch.prefix_hash import prefix_blocks
+from vllm_gateway.process import feed_links
+from vllm_gateway.workers import WorkerState
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "a-shared-secret-of-some-length"
+
+
+async def metric_lines(url: str, prefix: str) -> dict[str, float]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as r:
+        text = await r.text()
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+async def test_a_later_turn_at_the_other_replica_goes_where_its_history_is(
+    fake_worker, gateway, client
+):
+    """Two replicas, two workers. Replica 0 cannot use worker A (draining there only, as if
+    its view lagged), so it sends the first turn of each of 10 conversations to B. Each
+    second turn reaches replica 1, which placed none of them: told by replica 0, it sends
+    every one to B, where its history is; not told, its rendezvous order would have sent
+    about half of them to A (all 10 to B by chance: 1 in 1024). Both replicas list both
+    addresses (one config for all): each finds itself among its peers and skips it."""
+    a, b = await fake_worker(models="m"), await fake_worker(models="m")
+    ports = [free_port(), free_port()]
+    peers = tuple(f"127.0.0.1:{p}" for p in ports)
+    replicas = [
+        await gateway(
+            [a, b],
+            policy="cache_aware",
+            replicas=ReplicasConfig(listen=f"127.0.0.1:{p}", peers=peers, token=TOKEN),
+        )
+        for p in ports
+    ]
+    apps = [r.app for r in replicas]
+    for app in apps:
+        await wait_until(lambda app=app: all(w.available for w in app[REGISTRY]), timeout=5)
+    for app in apps:  # each connects to the other, and drops its link to itself
+        feed = app[GATEWAY].status.peers
+        assert feed is not None
+        await wait_until(lambda f=feed: f.connected() == 1 and len(f._peers) == 1, timeout=5)
+    in0 = apps[0][REGISTRY].get(a.url)
+    assert in0 is not None
+    apps[0][REGISTRY].set_state(in0, WorkerState.DRAINING, "test: replica 0 only")
+    clients = [client(r) for r in replicas]
+    histories = []
+    for i in range(10):
+        messages = [{"role": "user", "content": f"conversation {i}: " + "word " * 300}]
+        r = await clients[0].chat.completions.create(model="m", messages=messages, max_tokens=8)
+        messages.append({"role": "assistant", "content": r.choices[0].message.content})
+        messages.append({"role": "user", "content": "and then? " * 20})
+        histories.append(messages)
+    assert len([r for r in a.stats.requests if r.path == "/v1/chat/completions"]) == 0
+    index = apps[1][DISPATCHER].policy.index
+    await wait_until(lambda: index.blocks_of(apps[1][REGISTRY].get(b.url)) >= 10, timeout=5)
+    for messages in histories:
+        await clients[1].chat.completions.create(model="m", messages=messages, max_tokens=8)
+    to_a = [r for r in a.stats.requests if r.path == "/v1/chat/completions"]
+    to_b = [r for r in b.stats.requests if r.path == "/v1/chat/completions"]
+    assert (len(to_a), len(to_b)) == (0, 20)
+    # What each told and applied; nothing lost, nothing refused, the self-link not counted.
+    name = "vllm_gateway_replica_placements_total"
+    counts = [await metric_lines(r.url, name) for r in replicas]
+    assert counts[0][name + '{result="told"}'] == counts[1][name + '{result="applied"}'] == 10
+    assert counts[1][name + '{result="told"}'] == counts[0][name + '{result="applied"}'] == 10
+    for c in counts:
+        assert c[name + '{result="dropped"}'] == c[name + '{result="refused"}'] == 0
+    connected = [
+        await metric_lines(r.url, "vllm_gateway_replica_peers_connected") for r in replicas
+    ]
+    assert [list(c.values()) for c in connected] == [[1.0], [1.0]]
+    # Each conversation counts once in each replica's shares, whichever placed its turns.
+    assert [app[DISPATCHER].policy.shares["m"].samples for app in apps] == [10, 10]
+
+
+async def test_a_connection_without_the_token_is_refused_and_tells_nothing(
+    fake_worker, gateway, monkeypatch
+):
+    """A stranger who reaches the port: a wrong token, placements sent as if a hello, a
+    hello too long, and silence are each closed; none of their placements is applied."""
+    monkeypatch.setattr(feed_links, "HELLO_SECONDS", 0.3)
+    w = await fake_worker(models="m")
+    port = free_port()
+    gw = await gateway(
+        [w],
+        policy="cache_aware",
+        replicas=ReplicasConfig(listen=f"127.0.0.1:{port}", token=TOKEN),
+    )
+    policy = gw.app[DISPATCHER].policy
+    line = b'[["m", "%s", 5, 0, [1, 2, 3]]]\n' % w.url.encode()
+    attempts = [
+        b'{"token": "not-the-secret-at-all", "id": "x"}\n' + line,
+        line + line,  # no hello: the first line is taken for one, and fails
+        b'{"token": "' + b"x" * (2 * feed_links.MAX_HELLO) + b'"}',  # no newline, too long
+        b'{"token": 7, "id": "x"}\n' + line,
+        b"",  # silence: closed after HELLO_SECONDS
+    ]
+    for data in attempts:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(data)
+        assert await asyncio.wait_for(reader.read(), timeout=5) == b""  # closed
+        writer.close()
+    assert policy.shares == {} and not policy.index.known(1)
+    name = "vllm_gateway_replica_placements_total"
+    counts = await metric_lines(gw.url, name)
+    assert counts[name + '{result="refused"}'] == 3  # the bad tokens and the line as hello
+    assert counts[name + '{result="applied"}'] == 0
+    # With the token, the same line applies.
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b'{"token": "%s", "id": "a peer"}\n' % TOKEN.encode() + line)
+    await wait_until(lambda: "m" in policy.shares, timeout=5)
+    assert policy.shares["m"].samples == 1
+    writer.close()
+
+
+def test_every_name_is_the_same_in_another_interpreter():
+    """Peer replicas and sibling processes tell each other these names: another
+    interpreter, with another hash seed, names the same prompt alike."""
+    doc = {
+        "messages": [
+            {"role": "system", "content": "s" * 2000},
+            {"role": "user", "content": "u" * 3000},
+            {"role": "assistant", "content": "a" * 4000},
+            {"role": "user", "content": "v" * 50},
+        ]
+    }
+    p = prefix_blocks(doc)
+    assert p is not None and len(p.blocks) > p.first + 4
+    code = (
+        "import json, sys; from vllm_gateway.dispatch.prefix_hash import prefix_blocks; "
+        "p = prefix_blocks(json.loads(sys.stdin.read())); print(json.dumps(p.blocks))"
+    )
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], input=json.dumps(doc), capture_output=True,
+            text=True, env=env, timeout=30, check=True,
+        )  # fmt: skip
+        assert json.loads(out.stdout) == p.blocks
