@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import sys
 
 import pytest
@@ -268,3 +269,37 @@ async def test_demo_and_chat(http):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--port", "{busy}"], ["--processes", "2", "--port", "{busy}"],
+     ["--port", "{free}", "--replica-listen", "127.0.0.1:{busy}"]],
+)  # fmt: skip
+async def test_serve_on_a_port_in_use_says_so_and_exits(flags):
+    """A port another process holds (vLLM's default is 8000, as the gateway's): one error
+    line naming the address and what to do, exit code 3, no traceback; with --processes
+    the supervisor stops rather than restart children that would fail alike."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        busy = holder.getsockname()[1]
+        args = [f.format(busy=busy, free=free_port()) for f in flags]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_GATEWAY_")}
+        env["VLLM_GATEWAY_REPLICAS_TOKEN"] = "a-shared-secret-of-some-length"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "vllm_gateway", "serve", "--log-format", "json", *args,
+            env=env, stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            async with asyncio.timeout(20):
+                err = (await proc.stderr.read()).decode()
+                assert await proc.wait() == 3
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert "Traceback" not in err, err
+    [line] = [json.loads(x) for x in err.splitlines() if '"cannot listen"' in x][:1]
+    assert line["level"] == "error" and f"'127.0.0.1', {busy})" in line["error"]
+    assert "--port" in line["hint"]

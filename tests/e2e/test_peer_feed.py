@@ -19,6 +19,7 @@ from vllm_gateway.app import DISPATCHER, GATEWAY, REGISTRY
 from vllm_gateway.config.replicas import ReplicasConfig
 from vllm_gateway.dispatch.prefix_hash import prefix_blocks
 from vllm_gateway.process import feed_links
+from vllm_gateway.process.placement_feed import PlacementFeed
 from vllm_gateway.workers import WorkerState
 
 pytestmark = pytest.mark.timeout(60)
@@ -161,3 +162,34 @@ def test_every_name_is_the_same_in_another_interpreter():
             text=True, env=env, timeout=30, check=True,
         )  # fmt: skip
         assert json.loads(out.stdout) == p.blocks
+
+
+async def test_a_peer_name_stands_for_every_address_it_resolves_to():
+    """A peer given by host name (a headless Service) is linked at each of its addresses,
+    looked up again every RESOLVE_SECONDS: an address gone loses its link, and one that is
+    this replica's own is not linked to again."""
+    got: list[tuple] = []
+    ports = [free_port(), free_port()]
+    hello = feed_links.Hello(TOKEN, "replica b")
+    b = PlacementFeed(("localhost", ports[1]), [], lambda *p: got.append(p), hello=hello)
+    a = PlacementFeed(
+        ("127.0.0.1", ports[0]),
+        [("localhost", ports[1]), ("127.0.0.1", ports[0]), ("no-such-host.invalid", 1)],
+        lambda *p: None,
+        hello=feed_links.Hello(TOKEN, "replica a"),
+    )
+    await b.open()
+    await a.open()
+    try:
+        await wait_until(lambda: a.connected() == 1 and len(a._peers) == 1, timeout=5)
+        assert a._itself == {("127.0.0.1", ports[0])}  # found itself, and dropped that link
+        a.publish("m", "http://w", 3, 0, [1, 2])
+        await wait_until(lambda: got == [("m", "http://w", 3, 0, [1, 2])], timeout=5)
+        # The name now resolves elsewhere: its link goes; its own address stays unlinked.
+        a._follow({("127.0.0.1", ports[0])})
+        assert a._peers == [] and a.connected() == 0
+        a._follow({("127.0.0.1", ports[1])})
+        await wait_until(lambda: a.connected() == 1, timeout=5)
+    finally:
+        await a.close()
+        await b.close()

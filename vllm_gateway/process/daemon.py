@@ -40,6 +40,8 @@ log = get_logger("vllm_gateway.daemon")
 
 # After the grace, requests still running are cancelled; this bounds their clean ending.
 CLOSE_REST_SECONDS = 5.0
+# The exit code of a gateway that could not listen on a port (supervisor.py stops then).
+CANNOT_LISTEN = 3
 
 
 def raise_open_files_limit() -> None:
@@ -59,8 +61,9 @@ def run_gateway(
     process_count: int = 1,
     control_dir: str | None = None,
     env: Mapping[str, str] | None = None,
-) -> None:
-    """Serve `config` in this process until SIGTERM or SIGINT, reloading on SIGHUP.
+) -> int:
+    """Serve `config` in this process until SIGTERM or SIGINT, reloading on SIGHUP; the
+    exit code (`CANNOT_LISTEN`: a port could not be listened on, said in the log).
 
     `process_index` of `process_count`: which of the `serve --processes N` processes this is
     (their private sockets live in `control_dir`)."""
@@ -69,7 +72,18 @@ def run_gateway(
     notifier = Notifier(env, process=process_index if process_count > 1 else None)
     daemon = Daemon(config, load, notifier, process_index, process_count, control_dir)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        runner.run(daemon.run())
+        try:
+            runner.run(daemon.run())
+        except OSError as e:  # (binding a port: the API's, or the replicas' feed)
+            log.error(
+                "cannot listen",
+                error=str(e),
+                hint="another process holds the port (a vLLM server listens on 8000 by "
+                "default, as the gateway does): give the gateway another --port, or "
+                "--replica-listen; or the address is not this host's",
+            )
+            return CANNOT_LISTEN
+    return 0
 
 
 class Daemon:

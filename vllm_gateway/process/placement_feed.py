@@ -1,32 +1,37 @@
-"""Where each process of one gateway (`serve --processes N`) sent which prompt: told to all.
+"""Where each process of a gateway, and each replica, sent which prompt: told to all.
 
-The kernel spreads client connections over the processes, so the turns of one conversation
-reach them in no particular order. Each process's cache_aware keeps its own index of what
-it sent where (dispatch/prefix_index.py) and its own count of the preambles' shares
-(dispatch/preamble_plan.py), so a turn that reaches the process that did not send the turn
+The kernel spreads client connections over the processes of `serve --processes N`, and an
+L4 balancer spreads them over replicas, so the turns of one conversation reach them in no
+particular order. Each process's cache_aware keeps its own index of what it sent where
+(dispatch/prefix_index.py) and its own count of the preambles' shares
+(dispatch/preamble_plan.py), so a turn that reaches a process that did not send the turn
 before does not know where its history is, and moves it when that process's rendezvous
 order, plan or loads differ from the other's (docs/dispatch-rounds.md measured 21 history
 re-prefills with two processes against 4 with one, and a TTFT p99 three times one
-process's). Here every placement a process makes (the model, the worker's URL, what the
-prompt shares with many as cache_aware counted it, its preamble and block names) goes to
-its siblings, which count and record it as if they had made it: about one index and one
-count of shares (so about one preamble plan), kept in N copies. About: a process that
-restarts starts empty, and what a stalled sibling could not take is dropped.
+process's; behind two replicas, each sent the turns it got to its own copy). Here every
+placement a process makes (the model, the worker's URL, what the prompt shares with many
+as cache_aware counted it, its preamble and block names) goes to its siblings and to the
+peer replicas, which count and record it as if they had made it: about one index and one
+count of shares (so about one preamble plan), kept in every process. About: a process that
+restarts starts empty, and what a stalled sibling or peer could not take is dropped.
 
-The channel is a unix stream socket per process, in the run's private directory beside
-the control sockets (siblings.py); each process connects to every sibling's as it starts. Placements
-are batched: a dispatch appends to an outbox, and one write per sibling per event-loop
-pass carries all of that pass's placements, one JSON array per line. Nothing waits on it
-and nothing is retried: while a sibling is away (not started yet, restarting) its
-placements are dropped, and the connection is tried again every `RECONNECT_SECONDS`; and
-while it reads too slowly to keep what is written to it under `MAX_BUFFERED` bytes, so are
-they. The index they would have fed is a guess anyway; a lost placement costs at worst a
-prefill. What arrives is checked (types, sizes) before use: a malformed line is dropped
-whole, and a line longer than `MAX_LINE` closes the connection.
+Between siblings the channel is a unix stream socket per process, in the run's private
+directory beside the control sockets (siblings.py); between replicas a TCP port of each
+(`[replicas]`, config/replicas.py), whose connections first prove the shared token
+(feed_links.py). Each side connects to every other's as it starts. Placements are
+batched: a dispatch appends to an outbox, and one write per sibling or peer per
+event-loop pass carries all of that pass's placements, one JSON array per line. Nothing
+waits on it and nothing is retried: while a sibling or peer is away (not started yet,
+restarting) its placements are dropped, and the connection is tried again every
+`RECONNECT_SECONDS`; and while it reads too slowly to keep what is written to it under
+`MAX_BUFFERED` bytes, so are they. The index they would have fed is a guess anyway; a lost
+placement costs at worst a prefill. What arrives is checked (types, sizes) before use: a
+malformed line is dropped whole, and a line longer than `MAX_LINE` closes the connection.
+A peer's placement reaches the one process of this replica its connection landed on,
+which tells its siblings too.
 
-Block names past a conversation's key are Python's `hash()`, seeded per interpreter; the
-processes are forked from one parent (supervisor.py), so they share the seed and name
-blocks alike.
+Block names are CRC-32 chains (prefix_hash.py), the same in every interpreter, so a name
+told means the same prefix here.
 """
 
 from __future__ import annotations
@@ -71,6 +76,10 @@ MAX_OUTBOX = 4096
 MAX_TEXT = 2048  # longest model name or URL told or accepted
 # Drops are logged at most this often (seconds), with how many since.
 LOG_EVERY = 60.0
+# Peers' host names are looked up again this often (seconds): a headless Service's pods
+# come and go.
+RESOLVE_SECONDS = 10.0
+MAX_ADDRESSES = 256  # peer addresses linked to, at most, whatever the names resolve to
 
 # model, worker URL, what it shared with many (as counted; -1: a conversation's later
 # request, not counted again), preamble, block names
@@ -99,7 +108,14 @@ class PlacementFeed:
         self.hello = hello  # asked of every connection in, said on every one out
         self._reuse_port = reuse_port  # (a TCP port every process of a replica listens on)
         self._apply = apply
-        self._peers = [Link(endpoint) for endpoint in peers]
+        # Unix paths are links as they are; a TCP peer's host name stands for every address
+        # it resolves to (a headless Service's pods), looked up at open and every
+        # `RESOLVE_SECONDS` (`_resolving`).
+        self._peers = [Link(endpoint) for endpoint in peers if isinstance(endpoint, str)]
+        self._names = [endpoint for endpoint in peers if not isinstance(endpoint, str)]
+        self._resolved: dict[tuple[str, int], list[tuple[str, int]]] = {}  # name -> addresses
+        self._itself: set[Endpoint] = set()  # addresses found to be this replica's own
+        self._resolver: asyncio.Task[None] | None = None
         self._outbox: list[Placement] = []
         self._scheduled = False
         self._server: asyncio.AbstractServer | None = None  # (None: not listening)
@@ -111,7 +127,7 @@ class PlacementFeed:
         self.dropped = 0  # placements not told to a sibling (away, too slow), lines not parsed
         self.refused = 0  # connections in whose hello was not good (peers only)
         self._logged_drops = 0
-        self._logged_at = self._failed_at = -LOG_EVERY
+        self._logged_at = self._failed_at = self._unresolved_at = -LOG_EVERY
 
     @classmethod
     def siblings(cls, index: int, count: int, control_dir: str, apply: Apply) -> PlacementFeed:
@@ -141,6 +157,8 @@ class PlacementFeed:
         self._open = True
         for peer in self._peers:
             peer.start(self)
+        if self._names:
+            self._resolver = loop.create_task(self._resolving())
 
     @property
     def port(self) -> int | None:
@@ -159,12 +177,55 @@ class PlacementFeed:
         dropped, so its placements are neither sent nor counted as lost."""
         with contextlib.suppress(ValueError):
             self._peers.remove(link)
+        self._itself.add(link.endpoint)
         link.close()
+
+    async def _resolving(self) -> None:
+        """Keep one link per address the peers' names resolve to, looked up now and every
+        `RESOLVE_SECONDS`: new addresses get a link, gone ones lose theirs. A name that
+        does not resolve keeps the addresses it had (and none at first)."""
+        loop = asyncio.get_running_loop()
+        while self._open:
+            for name in self._names:
+                try:
+                    found = await loop.getaddrinfo(name[0], name[1], type=socket.SOCK_STREAM)
+                except OSError as e:  # (socket.gaierror too)
+                    now = time.monotonic()
+                    if name not in self._resolved and now - self._unresolved_at > LOG_EVERY:
+                        self._unresolved_at = now
+                        peer = f"{name[0]}:{name[1]}"
+                        log.warning("a peer's name does not resolve", peer=peer, error=str(e))
+                    continue
+                # The addresses of the family the system prefers (its first answer's): a name
+                # with IPv4 and IPv6 addresses for one replica would make two links to it.
+                family = found[0][0] if found else None
+                self._resolved[name] = [
+                    (str(a[4][0]), int(a[4][1])) for a in found if a[0] == family
+                ][:MAX_ADDRESSES]
+            self._follow({a for addresses in self._resolved.values() for a in addresses})
+            await asyncio.sleep(RESOLVE_SECONDS)
+
+    def _follow(self, addresses: set[tuple[str, int]]) -> None:
+        """Links to exactly these TCP `addresses` (less this replica's own)."""
+        if not self._open:
+            return
+        for link in [x for x in self._peers if not isinstance(x.endpoint, str)]:
+            if link.endpoint not in addresses:
+                self._peers.remove(link)
+                link.close()
+        have = {link.endpoint for link in self._peers}
+        for address in sorted(addresses - have - self._itself)[:MAX_ADDRESSES]:
+            link = Link(address)
+            self._peers.append(link)
+            link.start(self)
 
     async def close(self) -> None:
         if not self._open:
             return
         self._open = False
+        if self._resolver is not None:
+            self._resolver.cancel()
+            self._resolver = None
         server, self._server = self._server, None
         if server is not None:
             server.close()

@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from vllm_gateway import log as logging_setup
 from vllm_gateway.config.gateway import GatewayConfig
 from vllm_gateway.log import get_logger
-from vllm_gateway.process.daemon import CLOSE_REST_SECONDS, run_gateway
+from vllm_gateway.process.daemon import CANNOT_LISTEN, CLOSE_REST_SECONDS, run_gateway
 from vllm_gateway.process.sd_notify import Notifier, ProcessNotifications
 
 log = get_logger("vllm_gateway.supervisor")
@@ -47,8 +48,7 @@ def serve(config: GatewayConfig, load: Callable[[], GatewayConfig] | None = None
     logging_setup.configure(config.log.format, config.log.level)
     if config.processes > 1:
         return run_processes(config, load)
-    run_gateway(config, load)
-    return 0
+    return run_gateway(config, load)
 
 
 def _placeholder(host: str, port: int) -> tuple[socket.socket | None, int]:
@@ -77,7 +77,10 @@ def _child(
     os.environ.update(env)
     if "WATCHDOG_USEC" in os.environ:
         os.environ["WATCHDOG_PID"] = str(os.getpid())  # ping the parent, which pings systemd
-    run_gateway(config, load, process_index=index, process_count=count, control_dir=control_dir)
+    code = run_gateway(
+        config, load, process_index=index, process_count=count, control_dir=control_dir
+    )
+    sys.exit(code)
 
 
 def run_processes(config: GatewayConfig, load: Callable[[], GatewayConfig] | None = None) -> int:
@@ -100,7 +103,7 @@ def run_processes(config: GatewayConfig, load: Callable[[], GatewayConfig] | Non
             placeholder.close()
         shutil.rmtree(control_dir, ignore_errors=True)
     log.info("gateway processes stopped")
-    return 0
+    return sup.code
 
 
 class _Supervisor:
@@ -118,6 +121,7 @@ class _Supervisor:
         self.notifications = ProcessNotifications(control_dir, self.count, Notifier())
         self.stopping = False
         self.reload_requested = False
+        self.code = 0  # the exit code run_processes returns
 
     def stop(self, signum: int, frame: object) -> None:
         self.stopping = True
@@ -155,7 +159,11 @@ class _Supervisor:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(p.pid, signal.SIGHUP)  # type: ignore[arg-type]
             for i, p in list(self.children.items()):
-                if not p.is_alive() and not self.stopping:
+                if not p.is_alive() and p.exitcode == CANNOT_LISTEN and not self.stopping:
+                    # (its log said which port): the next would fail alike, so all stop
+                    log.error("a gateway process cannot listen; stopping them all", index=i)
+                    self.stopping, self.code = True, CANNOT_LISTEN
+                elif not p.is_alive() and not self.stopping:
                     log.error("gateway process exited; restarting", index=i, code=p.exitcode)
                     time.sleep(RESTART_DELAY_SECONDS)
                     if not self.stopping:
