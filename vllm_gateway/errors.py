@@ -49,6 +49,11 @@ class ConfigError(Exception):
         super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
+class CannotListen(Exception):
+    """A port the gateway is configured to listen on could not be bound (in use, not an
+    address of this host): the message names it."""
+
+
 class GatewayError(Exception):
     """An error the gateway answers itself. Subclasses fix status, type and code."""
 

@@ -301,5 +301,5 @@ async def test_serve_on_a_port_in_use_says_so_and_exits(flags):
                 await proc.wait()
     assert "Traceback" not in err, err
     [line] = [json.loads(x) for x in err.splitlines() if '"cannot listen"' in x][:1]
-    assert line["level"] == "error" and f"'127.0.0.1', {busy})" in line["error"]
-    assert "--port" in line["hint"]
+    assert line["level"] == "error" and f"127.0.0.1:{busy}: " in line["error"]
+    assert ("replicas' feed" in line["error"]) == ("--replica-listen" in args)

@@ -101,8 +101,10 @@ async def test_a_later_turn_at_the_other_replica_goes_where_its_history_is(
 async def test_a_connection_without_the_token_is_refused_and_tells_nothing(
     fake_worker, gateway, monkeypatch
 ):
-    """A stranger who reaches the port: a wrong token, placements sent as if a hello, a
-    hello too long, and silence are each closed; none of their placements is applied."""
+    """A stranger who reaches the port hears a nonce, never the token. A wrong MAC,
+    placements sent as the answer, an answer too long, and silence are each closed (the
+    wrong ones told `refused`); none of their placements is applied. The right MAC, made
+    with the token, is: and a feed holding another token is refused, and says so."""
     monkeypatch.setattr(feed_links, "HELLO_SECONDS", 0.3)
     w = await fake_worker(models="m")
     port = free_port()
@@ -114,54 +116,81 @@ async def test_a_connection_without_the_token_is_refused_and_tells_nothing(
     policy = gw.app[DISPATCHER].policy
     line = b'[["m", "%s", 5, 0, [1, 2, 3]]]\n' % w.url.encode()
     attempts = [
-        b'{"token": "not-the-secret-at-all", "id": "x"}\n' + line,
-        line + line,  # no hello: the first line is taken for one, and fails
-        b'{"token": "' + b"x" * (2 * feed_links.MAX_HELLO) + b'"}',  # no newline, too long
-        b'{"token": 7, "id": "x"}\n' + line,
-        b"",  # silence: closed after HELLO_SECONDS
+        (b'{"id": "x", "mac": "00"}\n' + line, feed_links.REFUSED),
+        (line + line, feed_links.REFUSED),  # no answer: the first line is taken for one
+        (b'{"id": "' + b"x" * (2 * feed_links.MAX_HELLO) + b'"}', b""),  # too long
+        (b'{"id": 7, "mac": "00"}\n' + line, feed_links.REFUSED),
+        (b"", b""),  # silence: closed after HELLO_SECONDS
     ]
-    for data in attempts:
+    for data, told in attempts:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        opening = await asyncio.wait_for(reader.readline(), timeout=5)
+        assert TOKEN.encode() not in opening and b'"nonce"' in opening
         writer.write(data)
-        assert await asyncio.wait_for(reader.read(), timeout=5) == b""  # closed
+        assert await asyncio.wait_for(reader.read(), timeout=5) == told  # then closed
         writer.close()
     assert policy.shares == {} and not policy.index.known(1)
     name = "vllm_gateway_replica_placements_total"
     counts = await metric_lines(gw.url, name)
-    assert counts[name + '{result="refused"}'] == 3  # the bad tokens and the line as hello
+    assert counts[name + '{result="refused"}'] == 3  # the wrong MACs and the line as one
     assert counts[name + '{result="applied"}'] == 0
     # With the token, the same line applies.
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b'{"token": "%s", "id": "a peer"}\n' % TOKEN.encode() + line)
+    opening = await asyncio.wait_for(reader.readline(), timeout=5)
+    verdict, _, answer = feed_links.Hello(TOKEN, "a peer").answer(opening.rstrip(b"\n"))
+    assert verdict == "ok"
+    writer.write(answer + line)
     await wait_until(lambda: "m" in policy.shares, timeout=5)
     assert policy.shares["m"].samples == 1
     writer.close()
+    # A replica configured with another token: refused, and it says so on its side.
+    other = PlacementFeed(None, [("127.0.0.1", port)], lambda *p: None,
+                          hello=feed_links.Hello("another-secret-entirely", "b"))  # fmt: skip
+    await other.open()
+    try:
+        await wait_until(lambda: other.refused >= 1, timeout=5)
+        assert other.connected() == 0
+    finally:
+        await other.close()
+    counts = await metric_lines(gw.url, name)
+    assert counts[name + '{result="refused"}'] >= 4
 
 
-def test_every_name_is_the_same_in_another_interpreter():
-    """Peer replicas and sibling processes tell each other these names: another
-    interpreter, with another hash seed, names the same prompt alike."""
-    doc = {
-        "messages": [
-            {"role": "system", "content": "s" * 2000},
-            {"role": "user", "content": "u" * 3000},
-            {"role": "assistant", "content": "a" * 4000},
-            {"role": "user", "content": "v" * 50},
-        ]
-    }
-    p = prefix_blocks(doc)
-    assert p is not None and len(p.blocks) > p.first + 4
-    code = (
-        "import json, sys; from vllm_gateway.dispatch.prefix_hash import prefix_blocks; "
-        "p = prefix_blocks(json.loads(sys.stdin.read())); print(json.dumps(p.blocks))"
-    )
-    for seed in ("1", "2"):
-        env = {**os.environ, "PYTHONHASHSEED": seed}
-        out = subprocess.run(
-            [sys.executable, "-c", code], input=json.dumps(doc), capture_output=True,
-            text=True, env=env, timeout=30, check=True,
-        )  # fmt: skip
-        assert json.loads(out.stdout) == p.blocks
+async def test_strangers_waiting_to_answer_do_not_keep_a_peer_out(fake_worker, monkeypatch):
+    """More connections than MAX_UNPROVEN that never answer: each new one closes the
+    oldest waiting, so a peer that connects meanwhile proves itself and is heard."""
+    monkeypatch.setattr(feed_links, "MAX_UNPROVEN", 4)
+    got: list[tuple] = []
+    port = free_port()
+    feed = PlacementFeed(("127.0.0.1", port), [], lambda *p: got.append(p),
+                         hello=feed_links.Hello(TOKEN, "a"))  # fmt: skip
+    await feed.open()
+    strangers = []
+    try:
+        for _ in range(10):
+            strangers.append(await asyncio.open_connection("127.0.0.1", port))
+        await wait_until(lambda: len(feed._unproven) == 4, timeout=5)
+        closed = [await asyncio.wait_for(r.read(), timeout=5) for r, _ in strangers[:6]]
+        assert all(b'"nonce"' in c for c in closed)  # the opening, then EOF: evicted
+        peer = PlacementFeed(None, [("127.0.0.1", port)], lambda *p: None,
+                             hello=feed_links.Hello(TOKEN, "b"))  # fmt: skip
+        await peer.open()
+        try:
+            await wait_until(lambda: peer.connected() == 1, timeout=5)
+            peer.publish("m", "http://w", 1, 0, [7])
+            await wait_until(lambda: len(got) == 1, timeout=5)
+            # One replica at a second link (as if listed under two names): dropped as a twin.
+            twin = feed_links.Link(("127.0.0.1", port))
+            peer._peers.append(twin)
+            twin.start(peer)
+            await wait_until(lambda: twin not in peer._peers, timeout=5)
+            assert peer._twins == {("127.0.0.1", port)} and peer.connected() == 1
+        finally:
+            await peer.close()
+    finally:
+        for _, writer in strangers:
+            writer.close()
+        await feed.close()
 
 
 async def test_a_peer_name_stands_for_every_address_it_resolves_to():
@@ -193,3 +222,66 @@ async def test_a_peer_name_stands_for_every_address_it_resolves_to():
     finally:
         await a.close()
         await b.close()
+
+
+def test_every_name_is_the_same_in_another_interpreter():
+    """Peer replicas and sibling processes tell each other these names: another
+    interpreter, with another hash seed, names the same prompt alike."""
+    doc = {
+        "messages": [
+            {"role": "system", "content": "s" * 2000},
+            {"role": "user", "content": "u" * 3000},
+            {"role": "assistant", "content": "a" * 4000},
+            {"role": "user", "content": "v" * 50},
+        ]
+    }
+    p = prefix_blocks(doc)
+    assert p is not None and len(p.blocks) > p.first + 4
+    code = (
+        "import json, sys; from vllm_gateway.dispatch.prefix_hash import prefix_blocks; "
+        "p = prefix_blocks(json.loads(sys.stdin.read())); print(json.dumps(p.blocks))"
+    )
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        out = subprocess.run(
+            [sys.executable, "-c", code], input=json.dumps(doc), capture_output=True,
+            text=True, env=env, timeout=30, check=True,
+        )  # fmt: skip
+        assert json.loads(out.stdout) == p.blocks
+
+
+async def test_a_replica_of_two_processes_hears_a_peer_in_both(fake_worker, gateway, client):
+    """A replica run as two processes (both listening on its feed port) and a lone peer:
+    what the peer places reaches the process its connection landed on, which tells its
+    sibling; what either process places reaches the peer; nothing is counted twice."""
+    from tests.support.processes import sibling_apps
+    from vllm_gateway.config.gateway import GatewayConfig, WorkerSpec
+
+    w = await fake_worker(models="m")
+    ports = [free_port(), free_port()]
+    peers = tuple(f"127.0.0.1:{p}" for p in ports)
+
+    def replicas(i: int) -> ReplicasConfig:
+        return ReplicasConfig(listen=f"127.0.0.1:{ports[i]}", peers=peers, token=TOKEN)
+
+    lone = await gateway([w], policy="cache_aware", replicas=replicas(1))
+    config = GatewayConfig(host="127.0.0.1", port=0, workers=(WorkerSpec(url=w.url),),
+                           policy="cache_aware", replicas=replicas(0))  # fmt: skip
+    async with sibling_apps(config) as servers:
+        apps = [s.app for s in servers]
+        feeds = [app[GATEWAY].status.peers for app in [*apps, lone.app]]
+        # Each process of the pair and the lone one reach one peer each (a link to their own
+        # port, landing on either process of the pair, is this replica's own: dropped).
+        await wait_until(lambda: all(f is not None and f.connected() == 1 for f in feeds), 5)
+        for i in range(6):
+            messages = [{"role": "user", "content": f"conversation {i}: " + "word " * 300}]
+            await client(lone).chat.completions.create(model="m", messages=messages, max_tokens=2)
+        policies = [app[DISPATCHER].policy for app in apps]
+        await wait_until(lambda: all(p.shares.get("m") and p.shares["m"].samples == 6
+                                     for p in policies), timeout=5)  # fmt: skip
+        messages = [{"role": "user", "content": "conversation x: " + "word " * 300}]
+        await client(servers[0]).chat.completions.create(model="m", messages=messages, max_tokens=2)
+        lone_policy = lone.app[DISPATCHER].policy
+        await wait_until(lambda: lone_policy.shares["m"].samples == 7, timeout=5)
+        await asyncio.sleep(0.2)  # (anything counted twice would have arrived by now)
+        assert [p.shares["m"].samples for p in [*policies, lone_policy]] == [7, 7, 7]

@@ -101,6 +101,11 @@ def validate(config: GatewayConfig) -> list[str]:
             errors.append(f"registration.allowed_networks[{i}]: {net!r} is not a network (CIDR)")
     errors.extend(check_discovery(config.discovery))
     errors.extend(check_replicas(config.replicas))
+    if config.processes > 1 and config.replicas.listen.strip().endswith(":0"):
+        errors.append(
+            "replicas.listen: port 0 picks a port per process; with processes > 1 give "
+            "one port (the processes share it)"
+        )
     return errors
 
 

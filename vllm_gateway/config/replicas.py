@@ -7,6 +7,8 @@ where they placed which prompt (process/placement_feed.py), and its checks.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass
 
 from vllm_gateway.config.settings import setting
@@ -15,6 +17,7 @@ from vllm_gateway.config.settings import setting
 # port from filling the replicas' indexes with false placements.
 MIN_TOKEN = 16
 MAX_PEERS = 64  # listed peers, at most (each a connection from every process)
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,15 +35,16 @@ class ReplicasConfig:
         (),
         "HOST:PORT of each peer replica's `listen`, told where this gateway placed each "
         "prompt, so a conversation's next turn finds its history whichever replica it "
-        "reaches. One list for every replica may name this one too (it finds itself and "
-        "skips it). Changes take effect at restart.",
+        "reaches; a host name stands for every address it resolves to. One list for every "
+        "replica may name this one too (at its `listen` address it finds itself and skips "
+        "it). Changes take effect at restart.",
         cli="--peer",
     )
     token: str = setting(
         "",
         f"Shared secret every replica must present (at least {MIN_TOKEN} characters); "
-        "required with `listen` or `peers`. Sent in clear: keep the port on a private "
-        "network.",
+        "required with `listen` or `peers`. Never sent: each connection proves it with an "
+        "HMAC of a fresh nonce.",
         secret=True,
     )
 
@@ -50,23 +54,31 @@ class ReplicasConfig:
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """`HOST:PORT` (or `[IPV6]:PORT`) as (host, port); ValueError says what is wrong."""
+    """`HOST:PORT` (or `[IPV6]:PORT`) as (host, port); ValueError says what is wrong. A
+    host is an IP address or a DNS name (labels of letters, digits, '-' and '_', each 1-63
+    long, not starting or ending with '-')."""
     text = text.strip()
     if "://" in text:
         raise ValueError(f"{text!r}: give HOST:PORT, not a URL")
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
         raise ValueError(f"{text!r} is not HOST:PORT")
+    if not (port_text.isascii() and port_text.isdigit()) or int(port_text) > 65535:
+        raise ValueError(f"{text!r}: the port must be a number from 0 to 65535")
     if host.startswith("["):
-        if not host.endswith("]") or len(host) < 3:
-            raise ValueError(f"{text!r}: an IPv6 host goes in brackets, e.g. [::1]:8101")
-        host = host[1:-1]
+        try:
+            if not host.endswith("]"):
+                raise ValueError
+            host = str(ipaddress.IPv6Address(host[1:-1]))
+        except ValueError:
+            raise ValueError(f"{text!r}: an IPv6 host goes in brackets, e.g. [::1]:8101") from None
     elif ":" in host:
         raise ValueError(f"{text!r}: put an IPv6 host in brackets, e.g. [::1]:8101")
-    if not all(c.isascii() and (c.isalnum() or c in ".-_:%") for c in host):
-        raise ValueError(f"{text!r}: the host may hold letters, digits, '.', '-', '_' only")
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"{text!r}: the port must be a number from 0 to 65535")
+    elif not all(_LABEL.fullmatch(label) for label in host.removesuffix(".").split(".")):
+        raise ValueError(
+            f"{text!r}: the host must be an address or a DNS name (labels of letters, "
+            "digits, '-' and '_', 1-63 long)"
+        )
     return host, int(port_text)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from vllm_gateway.config.gateway import ClientConfig
+from vllm_gateway.errors import CannotListen
 from vllm_gateway.http.client_protocol import ClientRunner
 from vllm_gateway.http.front import FRONT
 from vllm_gateway.http.front_reader import FrontLimits
@@ -98,7 +99,10 @@ async def start_server(
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None, backlog=4096)
     try:
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:
+            raise CannotListen(f"the API at {host}:{port}: {e.strerror or e}") from e
         if unix_path is not None:
             await web.UnixSite(runner, unix_path).start()
     except BaseException:

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from vllm_gateway import log as logging_setup
 from vllm_gateway.app import GATEWAY, create_app
 from vllm_gateway.config.gateway import GatewayConfig
-from vllm_gateway.errors import ConfigError
+from vllm_gateway.errors import CannotListen, ConfigError
 from vllm_gateway.http.server import RunningServer, new_event_loop, start_server
 from vllm_gateway.log import get_logger
 from vllm_gateway.process.reload import apply_config
@@ -74,7 +74,7 @@ def run_gateway(
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         try:
             runner.run(daemon.run())
-        except OSError as e:  # (binding a port: the API's, or the replicas' feed)
+        except CannotListen as e:  # (the API's port, or the replicas' feed's)
             log.error(
                 "cannot listen",
                 error=str(e),

@@ -42,6 +42,7 @@ import contextvars
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import orjson
@@ -52,6 +53,7 @@ from vllm_gateway.dispatch.policies import Policy
 from vllm_gateway.dispatch.policies.cache_aware import CacheAware
 from vllm_gateway.dispatch.prefix_hash import MAX_BLOCKS
 from vllm_gateway.dispatch.request_info import RequestInfo
+from vllm_gateway.errors import CannotListen
 from vllm_gateway.log import get_logger
 from vllm_gateway.process.feed_links import (
     Endpoint,
@@ -114,8 +116,13 @@ class PlacementFeed:
         self._peers = [Link(endpoint) for endpoint in peers if isinstance(endpoint, str)]
         self._names = [endpoint for endpoint in peers if not isinstance(endpoint, str)]
         self._resolved: dict[tuple[str, int], list[tuple[str, int]]] = {}  # name -> addresses
-        self._itself: set[Endpoint] = set()  # addresses found to be this replica's own
-        self._resolver: asyncio.Task[None] | None = None
+        # Addresses found to be this replica's own, or a replica linked at another
+        # address: not linked again (the second kind until the names are looked up again).
+        self._itself: set[Endpoint] = set()
+        self._twins: set[Endpoint] = set()
+        self._resolvers: list[asyncio.Task[None]] = []
+        self._unproven: deque[Inbound] = deque()  # connections in waiting for their answer
+        self._what = "peer replicas" if hello is not None else "sibling processes"
         self._outbox: list[Placement] = []
         self._scheduled = False
         self._server: asyncio.AbstractServer | None = None  # (None: not listening)
@@ -125,7 +132,8 @@ class PlacementFeed:
         self.sent = 0  # placements written to siblings (once per sibling)
         self.received = 0  # placements applied from siblings
         self.dropped = 0  # placements not told to a sibling (away, too slow), lines not parsed
-        self.refused = 0  # connections in whose hello was not good (peers only)
+        self.refused = 0  # connections in whose answer did not prove the token (peers)
+        self._refused_at = -LOG_EVERY
         self._logged_drops = 0
         self._logged_at = self._failed_at = self._unresolved_at = -LOG_EVERY
 
@@ -137,7 +145,7 @@ class PlacementFeed:
 
     async def open(self) -> None:
         """Listen for the siblings' or peers' placements; connect to theirs as they are
-        needed. A TCP address that cannot be listened on raises OSError."""
+        needed. A TCP address that cannot be listened on raises CannotListen."""
         self._loop = loop = asyncio.get_running_loop()
         listen = self.listen
         if listen is None:
@@ -147,18 +155,22 @@ class PlacementFeed:
                 os.unlink(listen)  # left by a process that died (it is restarted)
             self._server = await loop.create_unix_server(lambda: Inbound(self), listen)
         else:
-            self._server = await loop.create_server(
-                lambda: Inbound(self),
-                listen[0],
-                listen[1],
-                reuse_port=self._reuse_port or None,
-                family=socket.AF_UNSPEC,
-            )
+            try:
+                self._server = await loop.create_server(
+                    lambda: Inbound(self),
+                    listen[0],
+                    listen[1],
+                    reuse_port=self._reuse_port or None,
+                    family=socket.AF_UNSPEC,
+                )
+            except OSError as e:
+                where = f"{listen[0]}:{listen[1]}"
+                raise CannotListen(f"the replicas' feed at {where}: {e.strerror or e}") from e
         self._open = True
         for peer in self._peers:
             peer.start(self)
-        if self._names:
-            self._resolver = loop.create_task(self._resolving())
+        # One resolver per name: a name slow to answer holds up no other.
+        self._resolvers = [loop.create_task(self._resolving(name)) for name in self._names]
 
     @property
     def port(self) -> int | None:
@@ -169,44 +181,70 @@ class PlacementFeed:
         return int(sockets[0].getsockname()[1]) if sockets else None
 
     def connected(self) -> int:
-        """Siblings or peers this side is connected to now."""
+        """Siblings or peers this side is connected to now (answered, for peers)."""
         return sum(1 for link in self._peers if link.writable())
 
-    def found_itself(self, link: Link) -> None:
-        """`link` reached this replica's own feed (its address among the peers): it is
-        dropped, so its placements are neither sent nor counted as lost."""
+    def peer_is_up(self) -> None:
+        """A sibling or peer proved itself on a connection in: connect to every one not
+        connected (it may have just restarted), before their retries are due."""
+        for link in self._peers:
+            link.connect_now()
+
+    def linked_to(self, peer: str, link: Link) -> bool:
+        """Whether another link reaches replica `peer` already."""
+        return any(x.peer == peer and x is not link and x.ready for x in self._peers)
+
+    def drop_link(self, link: Link, itself: bool) -> None:
+        """`link` reached this replica itself, or a replica another link reaches: it is
+        dropped, so its placements are neither sent twice nor counted as lost."""
         with contextlib.suppress(ValueError):
             self._peers.remove(link)
-        self._itself.add(link.endpoint)
+        (self._itself if itself else self._twins).add(link.endpoint)
+        link.dropped = True
         link.close()
 
-    async def _resolving(self) -> None:
-        """Keep one link per address the peers' names resolve to, looked up now and every
-        `RESOLVE_SECONDS`: new addresses get a link, gone ones lose theirs. A name that
-        does not resolve keeps the addresses it had (and none at first)."""
+    def refused_by(self, link: Link) -> None:
+        """A peer refused this replica's answer: the tokens differ (logged once a minute)."""
+        self.refused += 1
+        if time.monotonic() - self._refused_at > LOG_EVERY:
+            self._refused_at = time.monotonic()
+            e = link.endpoint
+            peer = e if isinstance(e, str) else f"{e[0]}:{e[1]}"
+            log.error(
+                "a peer replica refused this one's token",
+                peer=peer,
+                hint="every replica needs the same VLLM_GATEWAY_REPLICAS_TOKEN (replicas.token)",
+            )
+
+    async def _resolving(self, name: tuple[str, int]) -> None:
+        """Keep one link per address the peers' names resolve to, `name`'s looked up now
+        and every `RESOLVE_SECONDS`: new addresses get a link, gone ones lose theirs. A
+        name that does not resolve keeps the addresses it had (and none at first)."""
         loop = asyncio.get_running_loop()
         while self._open:
-            for name in self._names:
-                try:
+            try:
+                async with asyncio.timeout(RESOLVE_SECONDS):
                     found = await loop.getaddrinfo(name[0], name[1], type=socket.SOCK_STREAM)
-                except OSError as e:  # (socket.gaierror too)
-                    now = time.monotonic()
-                    if name not in self._resolved and now - self._unresolved_at > LOG_EVERY:
-                        self._unresolved_at = now
-                        peer = f"{name[0]}:{name[1]}"
-                        log.warning("a peer's name does not resolve", peer=peer, error=str(e))
-                    continue
-                # The addresses of the family the system prefers (its first answer's): a name
-                # with IPv4 and IPv6 addresses for one replica would make two links to it.
+            except (OSError, UnicodeError, TimeoutError) as e:  # (gaierror; a bad label)
+                now = time.monotonic()
+                if name not in self._resolved and now - self._unresolved_at > LOG_EVERY:
+                    self._unresolved_at = now
+                    peer = f"{name[0]}:{name[1]}"
+                    log.warning("a peer's name does not resolve", peer=peer, error=repr(e))
+            else:
+                # The addresses of the family the system prefers (its first answer's): a
+                # name with IPv4 and IPv6 addresses for one replica would link it twice.
                 family = found[0][0] if found else None
                 self._resolved[name] = [
                     (str(a[4][0]), int(a[4][1])) for a in found if a[0] == family
                 ][:MAX_ADDRESSES]
-            self._follow({a for addresses in self._resolved.values() for a in addresses})
+                self._twins.clear()  # (each looked at again: the replica behind may differ)
+                self._follow({a for addresses in self._resolved.values() for a in addresses})
             await asyncio.sleep(RESOLVE_SECONDS)
 
     def _follow(self, addresses: set[tuple[str, int]]) -> None:
-        """Links to exactly these TCP `addresses` (less this replica's own)."""
+        """Links to exactly these TCP `addresses` (less this replica's own and twins),
+        `MAX_ADDRESSES` at most."""
         if not self._open:
             return
         for link in [x for x in self._peers if not isinstance(x.endpoint, str)]:
@@ -214,7 +252,8 @@ class PlacementFeed:
                 self._peers.remove(link)
                 link.close()
         have = {link.endpoint for link in self._peers}
-        for address in sorted(addresses - have - self._itself)[:MAX_ADDRESSES]:
+        room = max(0, MAX_ADDRESSES - len(have))
+        for address in sorted(addresses - have - self._itself - self._twins)[:room]:
             link = Link(address)
             self._peers.append(link)
             link.start(self)
@@ -223,13 +262,13 @@ class PlacementFeed:
         if not self._open:
             return
         self._open = False
-        if self._resolver is not None:
-            self._resolver.cancel()
-            self._resolver = None
+        for task in self._resolvers:
+            task.cancel()
+        self._resolvers = []
         server, self._server = self._server, None
         if server is not None:
             server.close()
-        for inbound in list(self._inbound):
+        for inbound in [*self._inbound, *self._unproven]:
             inbound.close()
         for peer in self._peers:
             peer.close()
@@ -279,9 +318,9 @@ class PlacementFeed:
         if self.dropped > self._logged_drops and time.monotonic() - self._logged_at > LOG_EVERY:
             self._logged_at = time.monotonic()
             log.warning(
-                "placements not told to sibling processes",
+                f"placements not told to {self._what}",
                 dropped=self.dropped - self._logged_drops,
-                hint="a sibling is away or too slow to read them: it may place a "
+                hint="one is away or too slow to read them: it may place a "
                 "conversation's next turn without knowing where its history is",
             )
             self._logged_drops = self.dropped
@@ -299,7 +338,8 @@ class PlacementFeed:
             self.dropped += 1
             if time.monotonic() - self._failed_at > LOG_EVERY:
                 self._failed_at = time.monotonic()
-                log.error("a sibling's placement failed to apply", error=f"{type(e).__name__}: {e}")
+                error = f"{type(e).__name__}: {e}"
+                log.error(f"a placement from the {self._what} failed to apply", error=error)
 
 
 def _parse(line: bytes) -> list[tuple[str, str, int, int, list[int]]] | None:
