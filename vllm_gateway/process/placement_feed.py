@@ -49,6 +49,7 @@ import orjson
 
 from vllm_gateway.config.replicas import ReplicasConfig, parse_address
 from vllm_gateway.dispatch.dispatcher import Dispatcher
+from vllm_gateway.dispatch.lease import Lease
 from vllm_gateway.dispatch.policies import Policy
 from vllm_gateway.dispatch.policies.cache_aware import CacheAware
 from vllm_gateway.dispatch.prefix_hash import MAX_BLOCKS
@@ -82,6 +83,9 @@ LOG_EVERY = 60.0
 # come and go.
 RESOLVE_SECONDS = 10.0
 MAX_ADDRESSES = 256  # peer addresses linked to, at most, whatever the names resolve to
+
+# `shared` of a placement's end: its request finished (no names).
+DONE = -2
 
 # model, worker URL, what it shared with many (as counted; -1: a conversation's later
 # request, not counted again), preamble, block names
@@ -390,16 +394,28 @@ def share_placements(
     peers: Callable[[Apply], PlacementFeed] | None,
 ) -> tuple[PlacementFeed | None, PlacementFeed | None]:
     """Tell the siblings (`serve --processes N`) and the peer replicas (`[replicas]`) each
-    placement a cache_aware policy of `dispatcher` makes, and record theirs in the same
-    policy's index here (the worker by its URL: each process has its own Worker objects
-    for the same workers). `siblings(apply)` and `peers(apply)` make the feeds (None: that
-    feed is off); the two made are returned. A peer's placement reaches one process of this
-    replica (its connection's), which tells its siblings too."""
+    placement a cache_aware policy of `dispatcher` makes, and when its request ends
+    (`DONE`), and record theirs here: in the same policy's index (the worker by its URL:
+    each process has its own Worker objects for the same workers), and in the worker's
+    count of other senders' requests (`Worker.others`), which the capacity gate adds to
+    this process's own. A scrape reads that count from the worker's page every 250 ms;
+    told, it follows the others' requests as they go out and end, so replicas do not
+    both fill a worker's last slots between two scrapes (the page sets it again at each
+    scrape, which also undoes a lost `DONE`). `siblings(apply)` and `peers(apply)` make
+    the feeds (None: that feed is off); the two made are returned. A peer's placement
+    reaches one process of this replica (its connection's), which tells its siblings too."""
 
     def apply(model: str, url: str, shared: int, preamble: int, names: Sequence[int]) -> None:
+        worker = registry.get(url)
+        if shared == DONE:
+            if worker is not None:
+                worker.others = max(0.0, worker.others - 1.0)
+            return
+        if worker is not None:
+            worker.others += 1.0
         policy = dispatcher.policy_for_model.get(model, dispatcher.policy)
         if isinstance(policy, CacheAware):  # (a worker not known here yet is still counted)
-            policy.told(model, registry.get(url), shared, preamble, names)
+            policy.told(model, worker, shared, preamble, names)
 
     sibling_feed = siblings(apply) if siblings is not None else None
 
@@ -410,6 +426,12 @@ def share_placements(
 
     peer_feed = peers(from_peer) if peers is not None else None
     publishers = [f.publish for f in (sibling_feed, peer_feed) if f is not None]
+    if not publishers:
+        return sibling_feed, peer_feed
+
+    # The requests told (by id, while their lease holds them), so exactly those are told
+    # `DONE` when they end (their prompt, released with the body, no longer says).
+    told: dict[int, int] = {}
 
     def placed(policy: Policy, info: RequestInfo, worker: Worker) -> None:
         if isinstance(policy, CacheAware):
@@ -418,7 +440,17 @@ def share_placements(
                 shared = policy.shared if policy.new else -1  # (-1: not counted again)
                 for publish in publishers:
                     publish(info.model, worker.url, shared, blocks.preamble, blocks.blocks)
+                told[id(info)] = told.get(id(info), 0) + 1  # (one per lease: retries)
 
-    if publishers:
-        dispatcher.on_placed = placed
+    def released(lease: Lease) -> None:
+        key = id(lease.info)
+        n = told.pop(key, 0)
+        if n:
+            if n > 1:
+                told[key] = n - 1
+            for publish in publishers:
+                publish(lease.info.model, lease.worker.url, DONE, 0, ())
+
+    dispatcher.on_placed = placed
+    dispatcher.on_release.append(released)
     return sibling_feed, peer_feed
