@@ -56,7 +56,8 @@ from vllm_gateway.log import get_logger
 from vllm_gateway.observe.access_log import AccessLog
 from vllm_gateway.observe.status import StatusViews
 from vllm_gateway.observe.telemetry import ReloadCounters, RequestMetrics
-from vllm_gateway.process.placement_feed import PlacementFeed, peer_feed, share_placements
+from vllm_gateway.process.placement_feed import PlacementFeed
+from vllm_gateway.process.placement_sharing import feeds_lifetime, peer_feed, share_placements
 from vllm_gateway.process.siblings import Siblings
 from vllm_gateway.proxy.pool import UpstreamPool
 from vllm_gateway.proxy.relay import Relay
@@ -220,9 +221,9 @@ def create_app(
     app.add_subapp("/admin/", g.admin.app())
     app.cleanup_ctx.extend(_lifetimes(g, process_index == 0))
     if siblings is not None:
-        app.cleanup_ctx.append(_siblings_ctx(siblings, g.status.feed))
+        app.cleanup_ctx.append(feeds_lifetime(siblings, g.status.feed))
     if g.status.peers is not None:
-        app.cleanup_ctx.append(_siblings_ctx(None, g.status.peers))
+        app.cleanup_ctx.append(feeds_lifetime(None, g.status.peers))
     return app
 
 
@@ -426,24 +427,6 @@ def _lifetimes(g: Gateway, first_process: bool) -> list[Lifetime]:
         g.breaker.stop()
 
     return [upstream_ctx, prober_ctx, scraper_ctx, fleet_ctx]
-
-
-def _siblings_ctx(siblings: Siblings | None, feed: PlacementFeed | None) -> Lifetime:
-    """The sibling processes' control sockets and placement feed, or (`siblings` None) the
-    feed to the peer replicas: open while the app runs."""
-
-    async def siblings_ctx(app: web.Application) -> AsyncIterator[None]:
-        if siblings is not None:
-            await siblings.open()
-        if feed is not None:
-            await feed.open()
-        yield
-        if feed is not None:
-            await feed.close()
-        if siblings is not None:
-            await siblings.close()
-
-    return siblings_ctx
 
 
 def check_scale_rules(config: GatewayConfig) -> list[str]:

@@ -4,10 +4,9 @@ Precedence, lowest first: the defaults written here, the TOML file (`--config`),
 variables (`VLLM_GATEWAY_*`), then command-line options. Every key is declared once, with
 its default, unit and help text: below, or for the fleet-control sections (breaker, admin,
 registration, autoscale, discovery) in config/fleet.py, whose names this module exports
-too. The loader, the validator and the generated configuration reference
-(docs/configuration.md) all read those declarations, so they cannot drift apart.
-
-Loading and cross-field validation live in config/load.py.
+too (`[replicas]`: config/replicas.py). The loader, the validator and the generated
+configuration reference (docs/configuration.md) all read those declarations, so they
+cannot drift apart. Loading and cross-field validation live in config/load.py.
 """
 
 from __future__ import annotations

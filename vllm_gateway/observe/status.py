@@ -85,8 +85,7 @@ class StatusViews:
             self.autoscaler,
             self.registration,
             self.prober,
-            self.feed,
-            self.peers,
+            (self.feed, self.peers),
         )
         if self.siblings is not None and not self.siblings.asked_by_sibling(request):
             others = await self.siblings.collect(request)

@@ -23,6 +23,7 @@ from vllm_gateway.dispatch.dispatcher import Dispatcher, Lease
 from vllm_gateway.errors import GatewayError
 from vllm_gateway.fleet.scrape import Scraper
 from vllm_gateway.observe.exposition import Histogram, Writer
+from vllm_gateway.observe.feed_metrics import feed_metrics
 from vllm_gateway.observe.plan_metrics import plan_metrics
 from vllm_gateway.workers import Circuit, Worker, WorkerRegistry, WorkerState
 
@@ -135,12 +136,11 @@ def render(
     autoscaler: Autoscaler | None = None,
     registration: Registration | None = None,
     prober: Prober | None = None,
-    feed: PlacementFeed | None = None,
-    peers: PlacementFeed | None = None,
+    feeds: tuple[PlacementFeed | None, PlacementFeed | None] = (None, None),
 ) -> str:
     """The whole /metrics document. `started` is the process start, in Unix seconds;
-    `process` (with --processes N) labels every sample with the process's index, `feed`
-    is its placement feed to the others, `peers` the one to the peer replicas."""
+    `process` (with --processes N) labels every sample with the process's index, and
+    `feeds` are its placement feeds to the sibling processes and to the peer replicas."""
     metrics.prune({worker.url for worker in registry}, time.monotonic())
     w = Writer((("process", process),) if process is not None else ())
     p = "vllm_gateway_"
@@ -159,10 +159,9 @@ def render(
         _probe_metrics(w, prober, scraper)
 
     _dispatch_metrics(w, metrics, dispatcher, workers)
-    if feed is not None:
-        _feed_metrics(w, feed)
-    if peers is not None:
-        _peer_metrics(w, peers)
+    for feed, peers in zip(feeds, (False, True), strict=True):
+        if feed is not None:
+            feed_metrics(w, feed, peers)
 
     _reload_metrics(w, reloads)
     _process_metrics(w)
@@ -415,47 +414,6 @@ def _dispatch_metrics(
         for url, doc in described:
             if doc[key] is not None:
                 w.sample(p + name, doc[key], (("worker", url),))  # type: ignore[arg-type]
-
-
-def _feed_metrics(w: Writer, feed: PlacementFeed) -> None:
-    """What the placement feed told the sibling processes, heard from them, and lost."""
-    name = "vllm_gateway_sibling_placements_total"
-    w.family(
-        name,
-        "counter",
-        "With --processes N: cache_aware placements told to the sibling processes (told, "
-        "once per sibling), applied from them (applied), and lost (dropped: not told to a "
-        "sibling that was away or too slow to read, or a line from one that failed).",
-    )
-    for result, value in (
-        ("told", feed.sent),
-        ("applied", feed.received),
-        ("dropped", feed.dropped),
-    ):
-        w.sample(name, value, (("result", result),))
-
-
-def _peer_metrics(w: Writer, feed: PlacementFeed) -> None:
-    """What the placement feed told the peer replicas, heard from them, lost and refused."""
-    name = "vllm_gateway_replica_placements_total"
-    w.family(
-        name,
-        "counter",
-        "With [replicas]: cache_aware placements told to the peer replicas (told, once per "
-        "peer), applied from them (applied), lost (dropped: not told to a peer that was "
-        "away or too slow to read, or a line that failed), and connections in refused for "
-        "a wrong token (refused).",
-    )
-    for result, value in (
-        ("told", feed.sent),
-        ("applied", feed.received),
-        ("dropped", feed.dropped),
-        ("refused", feed.refused),
-    ):
-        w.sample(name, value, (("result", result),))
-    name = "vllm_gateway_replica_peers_connected"
-    w.family(name, "gauge", "Peer replicas this process is connected to now (of those listed).")
-    w.sample(name, feed.connected())
 
 
 def _process_metrics(w: Writer) -> None:

@@ -28,13 +28,11 @@ import hashlib
 import hmac
 import secrets
 import socket
+from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import orjson
-
-if TYPE_CHECKING:
-    from vllm_gateway.process.placement_feed import PlacementFeed
 
 Endpoint = str | tuple[str, int]  # a unix socket path, or a TCP (host, port)
 
@@ -100,6 +98,22 @@ class Hello:
         return hmac.new(self.token.encode(), message, hashlib.sha256).hexdigest()
 
 
+class Feed(Protocol):
+    """What the connections ask of the feed they serve (placement_feed.PlacementFeed)."""
+
+    hello: Hello | None  # the peers' handshake; None between siblings
+    inbound: set[Inbound]  # connections in, proven
+    unproven: deque[Inbound]  # connections in, waiting for their answer, oldest first
+    dropped: int
+    refused: int
+
+    def received_line(self, line: bytes) -> None: ...
+    def peer_is_up(self) -> None: ...
+    def linked_to(self, peer: str, link: Link) -> bool: ...
+    def drop_link(self, link: Link, itself: bool) -> None: ...
+    def refused_by(self, link: Link) -> None: ...
+
+
 def keep_alive(transport: asyncio.BaseTransport) -> None:
     """A TCP connection whose other end vanished without a word (a node lost) is noticed
     within about `KEEPALIVE_SECONDS`, not hours later: probed when idle, abandoned when
@@ -133,7 +147,7 @@ class Link(asyncio.Protocol):
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
         self.transport: asyncio.WriteTransport | None = None
-        self.feed: PlacementFeed | None = None  # set while the feed is open
+        self.feed: Feed | None = None  # set while the feed is open
         self.connecting: asyncio.Task[None] | None = None  # the connect under way
         self.retry: asyncio.TimerHandle | None = None  # the next try, when one is due
         self.ready = False  # may be written to (answered the opening, if there is one)
@@ -141,7 +155,7 @@ class Link(asyncio.Protocol):
         self.buffer = bytearray()  # what the listener said, before its opening line ends
         self.dropped = False  # this replica's own, or a duplicate: never again
 
-    def start(self, feed: PlacementFeed) -> None:
+    def start(self, feed: Feed) -> None:
         self.feed = feed
         self.connect_now()
 
@@ -255,7 +269,7 @@ class Inbound(asyncio.Protocol):
     """One sibling's or peer's connection to this side's feed socket: lines of
     placements, once its answer to the opening checks where the feed has a hello."""
 
-    def __init__(self, feed: PlacementFeed) -> None:
+    def __init__(self, feed: Feed) -> None:
         self.feed = feed
         self.buffer = bytearray()
         self.transport: asyncio.BaseTransport | None = None
@@ -268,15 +282,15 @@ class Inbound(asyncio.Protocol):
         self.transport = transport
         feed = self.feed
         if self.trusted:  # a sibling
-            if len(feed._inbound) >= MAX_INBOUND:
+            if len(feed.inbound) >= MAX_INBOUND:
                 feed.dropped += 1
                 transport.abort()  # type: ignore[attr-defined]
                 return
-            feed._inbound.add(self)
+            feed.inbound.add(self)
             feed.peer_is_up()
             return
         keep_alive(transport)
-        unproven = feed._unproven
+        unproven = feed.unproven
         if len(unproven) >= MAX_UNPROVEN:
             unproven[0].close()  # the oldest waiting: a peer answers in a round trip
         unproven.append(self)
@@ -287,7 +301,7 @@ class Inbound(asyncio.Protocol):
         self.deadline = asyncio.get_running_loop().call_later(HELLO_SECONDS, self.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.feed._inbound.discard(self)
+        self.feed.inbound.discard(self)
         self._forget_unproven()
         self.transport = None
 
@@ -297,7 +311,7 @@ class Inbound(asyncio.Protocol):
             self.deadline = None
         if not self.trusted:
             with contextlib.suppress(ValueError):
-                self.feed._unproven.remove(self)
+                self.feed.unproven.remove(self)
 
     def data_received(self, data: bytes) -> None:
         buffer = self.buffer
@@ -321,10 +335,10 @@ class Inbound(asyncio.Protocol):
         feed = self.feed
         assert feed.hello is not None and self.transport is not None
         verdict, _ = feed.hello.check(self.nonce, line)
-        if verdict == "ok" and len(feed._inbound) < MAX_INBOUND:
+        if verdict == "ok" and len(feed.inbound) < MAX_INBOUND:
             self._forget_unproven()
             self.trusted = True
-            feed._inbound.add(self)
+            feed.inbound.add(self)
             feed.peer_is_up()
             return True
         if verdict == "self":

@@ -47,13 +47,7 @@ from collections.abc import Callable, Sequence
 
 import orjson
 
-from vllm_gateway.config.replicas import ReplicasConfig, parse_address
-from vllm_gateway.dispatch.dispatcher import Dispatcher
-from vllm_gateway.dispatch.lease import Lease
-from vllm_gateway.dispatch.policies import Policy
-from vllm_gateway.dispatch.policies.cache_aware import CacheAware
 from vllm_gateway.dispatch.prefix_hash import MAX_BLOCKS
-from vllm_gateway.dispatch.request_info import RequestInfo
 from vllm_gateway.errors import CannotListen
 from vllm_gateway.log import get_logger
 from vllm_gateway.process.feed_links import (
@@ -62,7 +56,6 @@ from vllm_gateway.process.feed_links import (
     Inbound,
     Link,
 )
-from vllm_gateway.workers import Worker, WorkerRegistry
 
 log = get_logger("vllm_gateway.placement_feed")
 _QUIET = contextvars.Context()
@@ -83,9 +76,6 @@ LOG_EVERY = 60.0
 # come and go.
 RESOLVE_SECONDS = 10.0
 MAX_ADDRESSES = 256  # peer addresses linked to, at most, whatever the names resolve to
-
-# `shared` of a placement's end: its request finished (no names).
-DONE = -2
 
 # model, worker URL, what it shared with many (as counted; -1: a conversation's later
 # request, not counted again), preamble, block names
@@ -125,14 +115,14 @@ class PlacementFeed:
         self._itself: set[Endpoint] = set()
         self._twins: set[Endpoint] = set()
         self._resolvers: list[asyncio.Task[None]] = []
-        self._unproven: deque[Inbound] = deque()  # connections in waiting for their answer
+        self.unproven: deque[Inbound] = deque()  # connections in waiting for their answer
         self._what = "peer replicas" if hello is not None else "sibling processes"
         self._outbox: list[Placement] = []
         self._scheduled = False
         self._server: asyncio.AbstractServer | None = None  # (None: not listening)
         self._open = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._inbound: set[Inbound] = set()
+        self.inbound: set[Inbound] = set()
         self.sent = 0  # placements written to siblings (once per sibling)
         self.received = 0  # placements applied from siblings
         self.dropped = 0  # placements not told to a sibling (away, too slow), lines not parsed
@@ -272,7 +262,7 @@ class PlacementFeed:
         server, self._server = self._server, None
         if server is not None:
             server.close()
-        for inbound in [*self._inbound, *self._unproven]:
+        for inbound in [*self.inbound, *self.unproven]:
             inbound.close()
         for peer in self._peers:
             peer.close()
@@ -373,84 +363,3 @@ def _parse(line: bytes) -> list[tuple[str, str, int, int, list[int]]] | None:
             return None
         out.append((model, url, shared, preamble, names))
     return out
-
-
-def peer_feed(
-    replicas: ReplicasConfig, ident: str, reuse_port: bool
-) -> Callable[[Apply], PlacementFeed]:
-    """What makes the feed to the peer replicas `replicas` names (validated: its addresses
-    parse), for the replica with id `ident` (its processes share it); `reuse_port`: every
-    process of this replica listens on the port."""
-    listen = parse_address(replicas.listen) if replicas.listen else None
-    peers = [parse_address(p) for p in replicas.peers]
-    hello = Hello(replicas.token, ident)
-    return lambda apply: PlacementFeed(listen, peers, apply, hello=hello, reuse_port=reuse_port)
-
-
-def share_placements(
-    dispatcher: Dispatcher,
-    registry: WorkerRegistry,
-    siblings: Callable[[Apply], PlacementFeed] | None,
-    peers: Callable[[Apply], PlacementFeed] | None,
-) -> tuple[PlacementFeed | None, PlacementFeed | None]:
-    """Tell the siblings (`serve --processes N`) and the peer replicas (`[replicas]`) each
-    placement a cache_aware policy of `dispatcher` makes, and when its request ends
-    (`DONE`), and record theirs here: in the same policy's index (the worker by its URL:
-    each process has its own Worker objects for the same workers), and in the worker's
-    count of other senders' requests (`Worker.others`), which the capacity gate adds to
-    this process's own. A scrape reads that count from the worker's page every 250 ms;
-    told, it follows the others' requests as they go out and end, so replicas do not
-    both fill a worker's last slots between two scrapes (the page sets it again at each
-    scrape, which also undoes a lost `DONE`). `siblings(apply)` and `peers(apply)` make
-    the feeds (None: that feed is off); the two made are returned. A peer's placement
-    reaches one process of this replica (its connection's), which tells its siblings too."""
-
-    def apply(model: str, url: str, shared: int, preamble: int, names: Sequence[int]) -> None:
-        worker = registry.get(url)
-        if shared == DONE:
-            if worker is not None:
-                worker.others = max(0.0, worker.others - 1.0)
-            return
-        if worker is not None:
-            worker.others += 1.0
-        policy = dispatcher.policy_for_model.get(model, dispatcher.policy)
-        if isinstance(policy, CacheAware):  # (a worker not known here yet is still counted)
-            policy.told(model, worker, shared, preamble, names)
-
-    sibling_feed = siblings(apply) if siblings is not None else None
-
-    def from_peer(model: str, url: str, shared: int, preamble: int, names: Sequence[int]) -> None:
-        apply(model, url, shared, preamble, names)
-        if sibling_feed is not None:
-            sibling_feed.publish(model, url, shared, preamble, names)
-
-    peer_feed = peers(from_peer) if peers is not None else None
-    publishers = [f.publish for f in (sibling_feed, peer_feed) if f is not None]
-    if not publishers:
-        return sibling_feed, peer_feed
-
-    # The requests told (by id, while their lease holds them), so exactly those are told
-    # `DONE` when they end (their prompt, released with the body, no longer says).
-    told: dict[int, int] = {}
-
-    def placed(policy: Policy, info: RequestInfo, worker: Worker) -> None:
-        if isinstance(policy, CacheAware):
-            blocks = info.prefix_blocks()  # (computed once, by the policy's select)
-            if blocks is not None:
-                shared = policy.shared if policy.new else -1  # (-1: not counted again)
-                for publish in publishers:
-                    publish(info.model, worker.url, shared, blocks.preamble, blocks.blocks)
-                told[id(info)] = told.get(id(info), 0) + 1  # (one per lease: retries)
-
-    def released(lease: Lease) -> None:
-        key = id(lease.info)
-        n = told.pop(key, 0)
-        if n:
-            if n > 1:
-                told[key] = n - 1
-            for publish in publishers:
-                publish(lease.info.model, lease.worker.url, DONE, 0, ())
-
-    dispatcher.on_placed = placed
-    dispatcher.on_release.append(released)
-    return sibling_feed, peer_feed

@@ -1,0 +1,114 @@
+"""Wiring the placement feeds (placement_feed.py) to a process's dispatcher.
+
+    share_placements(dispatcher, registry, siblings, peers) -> (sibling feed, peer feed)
+    peer_feed(config.replicas, ident, reuse_port)             makes the peers' feed
+    feeds_lifetime(siblings, feed)                            an app cleanup_ctx
+
+What a process tells (each cache_aware placement) and what it does with what it is told
+(recorded in the policy's index and shares), for the sibling processes of `serve
+--processes N` and the peer replicas of `[replicas]` alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Sequence
+
+from aiohttp import web
+
+from vllm_gateway.config.replicas import ReplicasConfig, parse_address
+from vllm_gateway.dispatch.dispatcher import Dispatcher
+from vllm_gateway.dispatch.policies import Policy
+from vllm_gateway.dispatch.policies.cache_aware import CacheAware
+from vllm_gateway.dispatch.request_info import RequestInfo
+from vllm_gateway.process.feed_links import Hello
+from vllm_gateway.process.placement_feed import Apply, PlacementFeed
+from vllm_gateway.process.siblings import Siblings
+from vllm_gateway.workers import Worker, WorkerRegistry
+
+Lifetime = Callable[[web.Application], AsyncIterator[None]]
+
+
+def peer_feed(
+    replicas: ReplicasConfig, ident: str, reuse_port: bool
+) -> Callable[[Apply], PlacementFeed]:
+    """What makes the feed to the peer replicas `replicas` names (validated: its addresses
+    parse), for the replica with id `ident` (its processes share it); `reuse_port`: every
+    process of this replica listens on the port."""
+    listen = parse_address(replicas.listen) if replicas.listen else None
+    peers = [parse_address(p) for p in replicas.peers]
+    hello = Hello(replicas.token, ident)
+    return lambda apply: PlacementFeed(listen, peers, apply, hello=hello, reuse_port=reuse_port)
+
+
+def share_placements(
+    dispatcher: Dispatcher,
+    registry: WorkerRegistry,
+    siblings: Callable[[Apply], PlacementFeed] | None,
+    peers: Callable[[Apply], PlacementFeed] | None,
+) -> tuple[PlacementFeed | None, PlacementFeed | None]:
+    """Tell the siblings (`serve --processes N`) and the peer replicas (`[replicas]`) each
+    placement a cache_aware policy of `dispatcher` makes, and record theirs in the same
+    policy's index here (the worker by its URL: each process has its own Worker objects
+    for the same workers). `siblings(apply)` and `peers(apply)` make the feeds (None: that
+    feed is off); the two made are returned. A peer's placement reaches one process of this
+    replica (its connection's), which tells its siblings too."""
+
+    apply = _applier(dispatcher, registry)
+    sibling_feed = siblings(apply) if siblings is not None else None
+
+    def from_peer(model: str, url: str, shared: int, preamble: int, names: Sequence[int]) -> None:
+        apply(model, url, shared, preamble, names)
+        if sibling_feed is not None:
+            sibling_feed.publish(model, url, shared, preamble, names)
+
+    peer_feed = peers(from_peer) if peers is not None else None
+    publishers = [f.publish for f in (sibling_feed, peer_feed) if f is not None]
+    if not publishers:
+        return sibling_feed, peer_feed
+
+    _tell(dispatcher, publishers)
+    return sibling_feed, peer_feed
+
+
+def _applier(dispatcher: Dispatcher, registry: WorkerRegistry) -> Apply:
+    """What is done with a sibling's or peer's placement: counted and recorded as if made
+    here, by the model's cache_aware policy (the worker by its URL)."""
+
+    def apply(model: str, url: str, shared: int, preamble: int, names: Sequence[int]) -> None:
+        policy = dispatcher.policy_for_model.get(model, dispatcher.policy)
+        if isinstance(policy, CacheAware):  # (a worker not known here yet is still counted)
+            policy.told(model, registry.get(url), shared, preamble, names)
+
+    return apply
+
+
+def _tell(dispatcher: Dispatcher, publishers: list[Callable[..., None]]) -> None:
+    """Hook `dispatcher` so each cache_aware placement is told."""
+
+    def placed(policy: Policy, info: RequestInfo, worker: Worker) -> None:
+        if isinstance(policy, CacheAware):
+            blocks = info.prefix_blocks()  # (computed once, by the policy's select)
+            if blocks is not None:
+                shared = policy.shared if policy.new else -1  # (-1: not counted again)
+                for publish in publishers:
+                    publish(info.model, worker.url, shared, blocks.preamble, blocks.blocks)
+
+    dispatcher.on_placed = placed
+
+
+def feeds_lifetime(siblings: Siblings | None, feed: PlacementFeed | None) -> Lifetime:
+    """The sibling processes' control sockets and placement feed, or (`siblings` None) the
+    feed to the peer replicas: open while the app runs."""
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        if siblings is not None:
+            await siblings.open()
+        if feed is not None:
+            await feed.open()
+        yield
+        if feed is not None:
+            await feed.close()
+        if siblings is not None:
+            await siblings.close()
+
+    return lifetime
