@@ -123,9 +123,9 @@ class PlacementFeed:
         self._open = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.inbound: set[Inbound] = set()
-        self.sent = 0  # placements written to siblings (once per sibling)
-        self.received = 0  # placements applied from siblings
-        self.dropped = 0  # placements not told to a sibling (away, too slow), lines not parsed
+        self.sent = 0  # placements written to siblings or peers (once per each)
+        self.received = 0  # placements applied from them
+        self.dropped = 0  # placements not told to one (away, too slow), lines not parsed
         self.refused = 0  # connections in whose answer did not prove the token (peers)
         self._refused_at = -LOG_EVERY
         self._logged_drops = 0
@@ -165,14 +165,6 @@ class PlacementFeed:
             peer.start(self)
         # One resolver per name: a name slow to answer holds up no other.
         self._resolvers = [loop.create_task(self._resolving(name)) for name in self._names]
-
-    @property
-    def port(self) -> int | None:
-        """The TCP port listened on (a listen port of 0 picks one), None otherwise."""
-        if self._server is None or not isinstance(self.listen, tuple):
-            return None
-        sockets = getattr(self._server, "sockets", ())  # (an asyncio.Server's)
-        return int(sockets[0].getsockname()[1]) if sockets else None
 
     def connected(self) -> int:
         """Siblings or peers this side is connected to now (answered, for peers)."""
