@@ -8,12 +8,12 @@ without leaving a task or a socket behind.
 from __future__ import annotations
 
 import random
-import secrets
-import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
+from hashlib import sha256
+from secrets import token_hex
 
 from aiohttp import web
 
@@ -199,7 +199,8 @@ def create_app(
         feeds = partial(PlacementFeed.siblings, process_index, process_count, control_dir)
     peers = None
     if config.replicas.enabled:  # (the processes of one replica share its id)
-        ident = f"{socket.gethostname()}:{control_dir or secrets.token_hex(8)}"
+        # (random per run; a digest of the run's private directory with --processes)
+        ident = sha256(control_dir.encode()).hexdigest()[:16] if control_dir else token_hex(8)
         peers = peer_feed(config.replicas, ident, process_count > 1)
     if feeds is not None or peers is not None:
         g.status.feed, g.status.peers = share_placements(g.dispatcher, g.registry, feeds, peers)

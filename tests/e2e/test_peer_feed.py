@@ -18,7 +18,7 @@ from tests.support.processes import free_port
 from vllm_gateway.app import DISPATCHER, GATEWAY, REGISTRY
 from vllm_gateway.config.replicas import ReplicasConfig
 from vllm_gateway.dispatch.prefix_hash import prefix_blocks
-from vllm_gateway.process import feed_links
+from vllm_gateway.process import feed_handshake, feed_links
 from vllm_gateway.process.placement_feed import PlacementFeed
 from vllm_gateway.workers import WorkerState
 
@@ -134,18 +134,28 @@ async def test_a_connection_without_the_token_is_refused_and_tells_nothing(
     counts = await metric_lines(gw.url, name)
     assert counts[name + '{result="refused"}'] == 3  # the wrong MACs and the line as one
     assert counts[name + '{result="applied"}'] == 0
-    # With the token, the same line applies.
+    # With the token (and the listener proving it too), the same line, tagged, applies.
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     opening = await asyncio.wait_for(reader.readline(), timeout=5)
-    verdict, _, answer = feed_links.Hello(TOKEN, "a peer").answer(opening.rstrip(b"\n"))
-    assert verdict == "ok"
-    writer.write(answer + line)
+    hello = feed_handshake.Hello(TOKEN, "a peer")
+    answered = hello.answer(opening.rstrip(b"\n"))
+    assert answered is not None
+    pending, answer = answered
+    writer.write(answer)
+    proof = await asyncio.wait_for(reader.readline(), timeout=5)
+    verdict, key = hello.proven(pending, proof.rstrip(b"\n"))
+    assert verdict == "ok" and TOKEN.encode() not in proof
+    writer.write(feed_handshake.tag(key, 0, line.rstrip(b"\n")) + b"\n")
     await wait_until(lambda: "m" in policy.shares, timeout=5)
+    assert policy.shares["m"].samples == 1
+    # A line with a wrong tag, or one replayed: the connection is closed, nothing applied.
+    writer.write(feed_handshake.tag(key, 0, line.rstrip(b"\n")) + b"\n")  # (seq 0 again)
+    assert await asyncio.wait_for(reader.read(), timeout=5) == b""
     assert policy.shares["m"].samples == 1
     writer.close()
     # A replica configured with another token: refused, and it says so on its side.
     other = PlacementFeed(None, [("127.0.0.1", port)], lambda *p: None,
-                          hello=feed_links.Hello("another-secret-entirely", "b"))  # fmt: skip
+                          hello=feed_handshake.Hello("another-secret-entirely", "b"))  # fmt: skip
     await other.open()
     try:
         await wait_until(lambda: other.refused >= 1, timeout=5)
@@ -163,7 +173,7 @@ async def test_strangers_waiting_to_answer_do_not_keep_a_peer_out(fake_worker, m
     got: list[tuple] = []
     port = free_port()
     feed = PlacementFeed(("127.0.0.1", port), [], lambda *p: got.append(p),
-                         hello=feed_links.Hello(TOKEN, "a"))  # fmt: skip
+                         hello=feed_handshake.Hello(TOKEN, "a"))  # fmt: skip
     await feed.open()
     strangers = []
     try:
@@ -173,7 +183,7 @@ async def test_strangers_waiting_to_answer_do_not_keep_a_peer_out(fake_worker, m
         closed = [await asyncio.wait_for(r.read(), timeout=5) for r, _ in strangers[:6]]
         assert all(b'"nonce"' in c for c in closed)  # the opening, then EOF: evicted
         peer = PlacementFeed(None, [("127.0.0.1", port)], lambda *p: None,
-                             hello=feed_links.Hello(TOKEN, "b"))  # fmt: skip
+                             hello=feed_handshake.Hello(TOKEN, "b"))  # fmt: skip
         await peer.open()
         try:
             await wait_until(lambda: peer.connected() == 1, timeout=5)
@@ -193,19 +203,51 @@ async def test_strangers_waiting_to_answer_do_not_keep_a_peer_out(fake_worker, m
         await feed.close()
 
 
+async def test_a_listener_without_the_token_is_told_nothing_and_cannot_drop_the_link():
+    """A stranger answering at a peer's address (a recycled IP) claims this replica's own
+    id, then a proof it cannot make: the link tells it nothing, is not dropped as this
+    replica's own, and tries the address again."""
+    seen: list[bytes] = []
+    ended = asyncio.Event()
+
+    async def stranger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'{"nonce": "n", "id": "replica b"}\n')  # b's own id, claimed
+        seen.append(await reader.readline())  # b's answer (a MAC over a nonce: no token)
+        writer.write(b'{"mac": "00", "self": true}\n')
+        seen.append(await reader.read())  # anything else b sends, until it closes
+        ended.set()
+
+    server = await asyncio.start_server(stranger, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    b = PlacementFeed(None, [("127.0.0.1", port)], lambda *p: None,
+                      hello=feed_handshake.Hello(TOKEN, "replica b"))  # fmt: skip
+    await b.open()
+    try:
+        await wait_until(lambda: len(b._peers) == 1, timeout=5)
+        b.publish("m", "http://w", 1, 0, [7])
+        await asyncio.wait_for(ended.wait(), timeout=5)
+        assert b'"mac"' in seen[0] and TOKEN.encode() not in seen[0]
+        assert seen[1] == b""  # no placement: closed on the bad proof
+        assert b._itself == set() and len(b._peers) == 1 and b.connected() == 0
+    finally:
+        await b.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_peer_name_stands_for_every_address_it_resolves_to():
     """A peer given by host name (a headless Service) is linked at each of its addresses,
     looked up again every RESOLVE_SECONDS: an address gone loses its link, and one that is
     this replica's own is not linked to again."""
     got: list[tuple] = []
     ports = [free_port(), free_port()]
-    hello = feed_links.Hello(TOKEN, "replica b")
-    b = PlacementFeed(("localhost", ports[1]), [], lambda *p: got.append(p), hello=hello)
+    hello = feed_handshake.Hello(TOKEN, "replica b")
+    b = PlacementFeed(("127.0.0.1", ports[1]), [], lambda *p: got.append(p), hello=hello)
     a = PlacementFeed(
         ("127.0.0.1", ports[0]),
         [("localhost", ports[1]), ("127.0.0.1", ports[0]), ("no-such-host.invalid", 1)],
         lambda *p: None,
-        hello=feed_links.Hello(TOKEN, "replica a"),
+        hello=feed_handshake.Hello(TOKEN, "replica a"),
     )
     await b.open()
     await a.open()

@@ -43,8 +43,8 @@ class ReplicasConfig:
     token: str = setting(
         "",
         f"Shared secret every replica must present (at least {MIN_TOKEN} characters); "
-        "required with `listen` or `peers`. Never sent: each connection proves it with an "
-        "HMAC of a fresh nonce.",
+        "required with `listen` or `peers`. Never sent: both sides of a connection prove "
+        "it with an HMAC over fresh nonces, and tag every line.",
         secret=True,
     )
 

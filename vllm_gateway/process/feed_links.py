@@ -2,37 +2,35 @@
 
     Link(endpoint)        this side's connection to one feed socket: made, lost, made again
     Inbound(feed)         one connection to this side's feed socket: lines of placements
-    Hello(token, ident)   the peers' handshake: proof of the shared token, and who is who
 
 An endpoint is a unix socket path (sibling processes, in the run's private directory) or
 a TCP (host, port) (peer replicas, `[replicas]`). Over TCP anyone who can reach the port
 can connect, and anyone may answer at a peer's address (a recycled pod IP, a mistyped
-port), so the token never crosses the network: the listening side opens with a fresh
-nonce and its replica's id; the connecting side answers with its id and an HMAC-SHA256 of
-the nonce and that id under the token, and only then sends placements. Nothing a
-connection sends is applied until its answer checks (in constant time); one that does not
-answer within `HELLO_SECONDS`, or sends more than `MAX_HELLO` bytes first, is closed, and
-a wrong answer is told `refused` (the connecting side logs it). The ids tell a replica it
-reached itself (its own address among the peers, as one list for every replica names
-them all), or a replica it is linked to already (one replica listed under two names):
-that link is dropped. At most `MAX_UNPROVEN` connections wait for their answer at once
-(a new one closes the oldest: a peer answers in a round trip, a stranger's flood does
-not hold the door), and `MAX_INBOUND` are proven.
+port), so both sides prove the shared token before a placement moves, and every line
+after is tagged under the connection's own key (feed_handshake.py): nothing a connection
+sends is applied until its answer checks, a wrong answer is told `refused` (the refused
+side logs it), and a line whose tag is wrong (forged, replayed, reordered) closes the
+connection. One that does not answer within `HELLO_SECONDS`, or sends more than
+`MAX_HELLO` bytes first, is closed; so is a link whose listener does not prove itself in
+that time. The proven ids tell a replica it reached itself (its own address among the
+peers, as one list for every replica names them all), or a replica it is linked to
+already (one replica listed under two names): that link is dropped. At most
+`MAX_UNPROVEN` connections wait for their answer at once (a new one closes the oldest: a
+peer answers in a round trip, a stranger's flood does not hold the door), and
+`MAX_INBOUND` are proven.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import secrets
 import socket
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Protocol
 
-import orjson
+from vllm_gateway.process.feed_handshake import Hello, Pending, tag, untag
 
 Endpoint = str | tuple[str, int]  # a unix socket path, or a TCP (host, port)
 
@@ -54,48 +52,7 @@ MAX_UNPROVEN = 64
 # A peer that vanished (no FIN, no RST) is given up after about this many seconds, so it
 # holds no connection slot (MAX_INBOUND) nor buffer for good.
 KEEPALIVE_SECONDS = 60
-SELF = b"self\n"  # the answer to this replica's own connection
 REFUSED = b"refused\n"  # the answer to a wrong token
-
-
-@dataclass(frozen=True)
-class Hello:
-    """The peers' handshake for a replica with id `ident`, all of them holding `token`."""
-
-    token: str
-    ident: str
-
-    def opening(self, nonce: str) -> bytes:
-        """What the listening side says first."""
-        return orjson.dumps({"nonce": nonce, "id": self.ident}) + b"\n"
-
-    def answer(self, line: bytes) -> tuple[str, str, bytes]:
-        """The connecting side's answer to an `opening` line: ('ok', the listener's id,
-        the line to send), ('self', ...) when the listener is this replica, ('bad', '',
-        b'') when it said nothing a feed says."""
-        doc = _object(line)
-        nonce, ident = doc.get("nonce"), doc.get("id")
-        if not (isinstance(nonce, str) and isinstance(ident, str)) or len(nonce) > 128:
-            return "bad", "", b""
-        if ident == self.ident:
-            return "self", ident, b""
-        mac = self._mac(nonce, self.ident)
-        return "ok", ident, orjson.dumps({"id": self.ident, "mac": mac}) + b"\n"
-
-    def check(self, nonce: str, line: bytes) -> tuple[str, str]:
-        """The listening side's verdict on an answer to `nonce`: ('ok', the peer's id),
-        ('self', '') for this replica's own, ('bad', '') otherwise."""
-        doc = _object(line)
-        ident, mac = doc.get("id"), doc.get("mac")
-        if not (isinstance(ident, str) and isinstance(mac, str)) or len(ident) > 512:
-            return "bad", ""
-        if not hmac.compare_digest(mac.encode(), self._mac(nonce, ident).encode()):
-            return "bad", ""
-        return ("self", "") if ident == self.ident else ("ok", ident)
-
-    def _mac(self, nonce: str, ident: str) -> str:
-        message = orjson.dumps([nonce, ident])
-        return hmac.new(self.token.encode(), message, hashlib.sha256).hexdigest()
 
 
 class Feed(Protocol):
@@ -129,15 +86,6 @@ def keep_alive(transport: asyncio.BaseTransport) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, KEEPALIVE_SECONDS * 1000)
 
 
-def _object(line: bytes) -> dict:
-    """A line as a JSON object; {} when it is not one."""
-    try:
-        doc = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
 class Link(asyncio.Protocol):
     """This side's connection to one sibling's or peer's feed socket: made at open, and
     again `RECONNECT_SECONDS` after each failure or loss while the feed is open; never
@@ -150,9 +98,13 @@ class Link(asyncio.Protocol):
         self.feed: Feed | None = None  # set while the feed is open
         self.connecting: asyncio.Task[None] | None = None  # the connect under way
         self.retry: asyncio.TimerHandle | None = None  # the next try, when one is due
-        self.ready = False  # may be written to (answered the opening, if there is one)
-        self.peer = ""  # the listener's replica id, once it said it
-        self.buffer = bytearray()  # what the listener said, before its opening line ends
+        self.ready = False  # may be written to (the handshake done, if there is one)
+        self.peer = ""  # the listener's replica id, once proven
+        self.buffer = bytearray()  # what the listener said, before its line ends
+        self.pending: Pending | None = None  # the handshake, once answered
+        self.key = b""  # the connection's session key (lines are tagged under it)
+        self.seq = 0  # lines written on it
+        self.deadline: asyncio.TimerHandle | None = None  # the handshake's
         self.dropped = False  # this replica's own, or a duplicate: never again
 
     def start(self, feed: Feed) -> None:
@@ -170,13 +122,17 @@ class Link(asyncio.Protocol):
                 self.retry = None
             self.connecting = asyncio.get_running_loop().create_task(self._connect())
 
-    def write(self, data: bytes) -> bool:
-        """Write `data` to the sibling if connected and keeping up (else it is dropped);
-        whether it was written."""
+    def write(self, lines: Sequence[bytes]) -> bool:
+        """Write `lines` (each without its newline; tagged on a peer's connection) if
+        connected and keeping up (else they are dropped); whether they were written."""
         if not self.writable():
             return False
         assert self.transport is not None
-        self.transport.write(data)
+        if self.key:
+            seq, key = self.seq, self.key
+            self.seq += len(lines)
+            lines = [tag(key, seq + i, line) for i, line in enumerate(lines)]
+        self.transport.write(b"\n".join(lines) + b"\n")
         return True
 
     def writable(self) -> bool:
@@ -192,11 +148,12 @@ class Link(asyncio.Protocol):
         try:
             if self.feed is not None:
                 loop, endpoint = asyncio.get_running_loop(), self.endpoint
-                if isinstance(endpoint, str):
-                    await loop.create_unix_connection(lambda: self, endpoint)
-                else:
-                    await loop.create_connection(lambda: self, endpoint[0], endpoint[1])
-        except OSError:  # not started yet, restarting, gone
+                async with asyncio.timeout(HELLO_SECONDS):  # (a SYN lost: not 2 minutes)
+                    if isinstance(endpoint, str):
+                        await loop.create_unix_connection(lambda: self, endpoint)
+                    else:
+                        await loop.create_connection(lambda: self, endpoint[0], endpoint[1])
+        except (OSError, TimeoutError):  # not started yet, restarting, gone
             self._again()
         finally:
             self.connecting = None
@@ -208,39 +165,65 @@ class Link(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         self.ready = self.feed.hello is None  # (siblings: no handshake)
         self.buffer.clear()
+        self.pending, self.key, self.seq = None, b"", 0
         keep_alive(transport)
+        if not self.ready:  # a listener that says nothing is let go, and tried again
+            self.deadline = asyncio.get_running_loop().call_later(HELLO_SECONDS, self._abort)
 
     def data_received(self, data: bytes) -> None:
         feed = self.feed
-        if feed is None or feed.hello is None or self.transport is None:
-            return  # (a sibling says nothing)
-        if self.ready:
-            if data.startswith(REFUSED[:-1]):
-                feed.refused_by(self)
-            return
+        if feed is None or feed.hello is None or self.transport is None or self.ready:
+            return  # (a sibling, and a peer after the handshake, say nothing)
         self.buffer += data
-        end = self.buffer.find(b"\n")
-        if end < 0:
-            if len(self.buffer) > MAX_HELLO:
-                self.transport.abort()
+        while self.transport is not None and not self.ready:
+            end = self.buffer.find(b"\n")
+            if end < 0:
+                if len(self.buffer) > MAX_HELLO:
+                    self._abort()
+                return
+            line = bytes(self.buffer[:end])
+            del self.buffer[: end + 1]
+            self._handshake(feed, feed.hello, line)
+
+    def _handshake(self, feed: Feed, hello: Hello, line: bytes) -> None:
+        """The listener's opening, then its proof (feed_handshake.py); only a proven
+        listener makes this link ready, or drops it as this replica's own or a twin."""
+        assert self.transport is not None
+        if self.pending is None:
+            answered = hello.answer(line)
+            if answered is None:  # not a feed of this build: try again later
+                self._abort()
+                return
+            self.pending, out = answered
+            self.transport.write(out)
             return
-        line = bytes(self.buffer[:end])
-        self.buffer.clear()
-        verdict, peer, answer = feed.hello.answer(line)
+        if line == REFUSED[:-1]:
+            feed.refused_by(self)
+            self._abort()
+            return
+        verdict, key = hello.proven(self.pending, line)
         if verdict == "self":
             feed.drop_link(self, itself=True)
-        elif verdict == "bad":  # not a feed of this build: try again later
-            self.transport.abort()
-        elif feed.linked_to(peer, self):  # (one replica listed under two addresses)
+        elif verdict == "bad":  # a listener without the token: tell it nothing
+            self._abort()
+        elif feed.linked_to(self.pending.peer, self):  # (one replica under two addresses)
             feed.drop_link(self, itself=False)
         else:
-            self.peer = peer
-            self.transport.write(answer)
-            self.ready = True
+            self.peer, self.key, self.ready = self.pending.peer, key, True
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+    def _abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.ready = False
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
         self._again()
 
     def _again(self) -> None:
@@ -257,9 +240,13 @@ class Link(asyncio.Protocol):
         must not keep its buffer and socket)."""
         self.feed = None
         self.ready = False
-        if self.retry is not None:
-            self.retry.cancel()
-            self.retry = None
+        for timer in (self.retry, self.deadline):
+            if timer is not None:
+                timer.cancel()
+        self.retry = self.deadline = None
+        if self.connecting is not None:
+            self.connecting.cancel()
+            self.connecting = None
         if self.transport is not None:
             self.transport.abort()
             self.transport = None
@@ -275,6 +262,8 @@ class Inbound(asyncio.Protocol):
         self.transport: asyncio.BaseTransport | None = None
         self.trusted = feed.hello is None
         self.nonce = ""
+        self.key = b""  # the session key a peer's lines are tagged under (feed_handshake.py)
+        self.seq = 0  # lines taken
         self.deadline: asyncio.TimerHandle | None = None
         self.closed = False
 
@@ -291,8 +280,8 @@ class Inbound(asyncio.Protocol):
             return
         keep_alive(transport)
         unproven = feed.unproven
-        if len(unproven) >= MAX_UNPROVEN:
-            unproven[0].close()  # the oldest waiting: a peer answers in a round trip
+        if len(unproven) >= MAX_UNPROVEN:  # the oldest waiting: a peer answers in a round trip
+            unproven.popleft().close()  # (out of the count now, not at its connection_lost)
         unproven.append(self)
         hello = feed.hello
         assert hello is not None
@@ -320,9 +309,17 @@ class Inbound(asyncio.Protocol):
         while not self.closed and (end := buffer.find(b"\n", start)) >= 0:
             line = bytes(buffer[start:end])
             start = end + 1
-            if self.trusted:
+            if not self.trusted:
+                if not self._hello(line):
+                    return
+            elif not self.key:  # a sibling's
                 self.feed.received_line(line)
-            elif not self._hello(line):
+            elif (told := untag(self.key, self.seq, line)) is not None:
+                self.seq += 1
+                self.feed.received_line(told)
+            else:  # forged, replayed or out of order: not from the peer that proved itself
+                self.feed.refused += 1
+                self.close()
                 return
         del buffer[:start]
         if len(buffer) > (MAX_LINE if self.trusted else MAX_HELLO):
@@ -331,18 +328,19 @@ class Inbound(asyncio.Protocol):
 
     def _hello(self, line: bytes) -> bool:
         """Take the first line as the answer to the opening: whether the connection goes
-        on (proven, and room for it)."""
+        on (proven, and room for it). Proven, the listener proves itself in return."""
         feed = self.feed
         assert feed.hello is not None and self.transport is not None
-        verdict, _ = feed.hello.check(self.nonce, line)
+        verdict, proof, key = feed.hello.check(self.nonce, line)
         if verdict == "ok" and len(feed.inbound) < MAX_INBOUND:
             self._forget_unproven()
-            self.trusted = True
+            self.trusted, self.key = True, key
+            self.transport.write(proof)  # type: ignore[attr-defined]
             feed.inbound.add(self)
             feed.peer_is_up()
             return True
         if verdict == "self":
-            self.transport.write(SELF)  # type: ignore[attr-defined]
+            self.transport.write(proof)  # type: ignore[attr-defined]
         elif verdict == "bad":
             feed.refused += 1
             self.transport.write(REFUSED)  # type: ignore[attr-defined]

@@ -50,12 +50,8 @@ import orjson
 from vllm_gateway.dispatch.prefix_hash import MAX_BLOCKS
 from vllm_gateway.errors import CannotListen
 from vllm_gateway.log import get_logger
-from vllm_gateway.process.feed_links import (
-    Endpoint,
-    Hello,
-    Inbound,
-    Link,
-)
+from vllm_gateway.process.feed_handshake import Hello
+from vllm_gateway.process.feed_links import Endpoint, Inbound, Link
 
 log = get_logger("vllm_gateway.placement_feed")
 _QUIET = contextvars.Context()
@@ -290,9 +286,7 @@ class PlacementFeed:
             self.dropped += len(outbox) * len(self._peers)  # (none serialised for nobody)
             self._log_drops()
             return
-        lines = b"".join(
-            orjson.dumps(outbox[i : i + BATCH]) + b"\n" for i in range(0, len(outbox), BATCH)
-        )
+        lines = [orjson.dumps(outbox[i : i + BATCH]) for i in range(0, len(outbox), BATCH)]
         for peer in self._peers:
             if peer.write(lines):
                 self.sent += len(outbox)

@@ -20,7 +20,7 @@ from vllm_gateway.dispatch.dispatcher import Dispatcher
 from vllm_gateway.dispatch.policies import Policy
 from vllm_gateway.dispatch.policies.cache_aware import CacheAware
 from vllm_gateway.dispatch.request_info import RequestInfo
-from vllm_gateway.process.feed_links import Hello
+from vllm_gateway.process.feed_handshake import Hello
 from vllm_gateway.process.placement_feed import Apply, PlacementFeed
 from vllm_gateway.process.siblings import Siblings
 from vllm_gateway.workers import Worker, WorkerRegistry
