@@ -222,7 +222,10 @@ def parse_args() -> argparse.Namespace:
                          "moved (plan_moves=N, from its /metrics)")  # fmt: skip
     ap.add_argument("--from-json", metavar="PATH",
                     help="report a bench-out/dispatch-families-r<N>.json again")  # fmt: skip
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.replica_sync and args.replicas < 2:
+        ap.error("--replica-sync needs --replicas 2 or more")
+    return args
 
 
 def run_all(

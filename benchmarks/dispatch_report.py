@@ -87,7 +87,7 @@ def section(
 ) -> list[str]:
     title = f"#### {family}" + (f", {replicas} replicas of each system" if replicas > 1 else "")
     if sync:
-        title += ", the gateway's telling each other their placements (`[replicas]`)"
+        title += ", the gateway replicas telling each other their placements (`[replicas]`)"
     if api != "chat":
         title += ", each turn a `/v1/completions` prompt (`--api completions`)"
     if processes > 1:
@@ -105,8 +105,8 @@ def doc_key(
     api: str = "chat",
     sync: bool = False,
 ) -> str:
-    """The doc block's name: family, replicas (`sync`: the gateway's told each other their
-    placements), and the gateway's processes when not 1, `kv` for workers that wait for
+    """The doc block's name: family, replicas (`sync`: the gateway replicas tell each other
+    their placements), and the gateway's processes when not 1, `kv` for workers that wait for
     KV blocks, and the API when not chat."""
     key = f"{family} r{replicas}" + (" sync" if sync else "")
     key += f" p{processes}" if processes > 1 else ""
