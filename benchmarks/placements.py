@@ -24,6 +24,11 @@ per request as its prefill starts, with its uncached tokens), and `prefill` join
 logs on the request id: the tokens the workers prefilled, by the step that placed each
 request, which says which decisions cost the fleet its prefills (a document copied into
 one more cache is 2000 tokens on docchat; a turn on its history's worker a few dozen).
+`inside` reads the same worker logs for the time requests spent queued inside a worker
+(arrival to admission: a full batch, or KV blocks that did not fit): how many waited over
+`INSIDE` seconds and their waits summed, for any system in front. That is the tail the
+gateway's capacity gate is there to keep out of the workers (it holds such requests in its
+own queue for the first free slot instead), counted directly rather than read from a p99.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+INSIDE = 0.01  # seconds queued inside a worker that count (admission takes ~1 ms anyway)
 
 
 def _entries(lines: Iterable[str], event: str) -> Iterable[dict[str, object]]:
@@ -133,15 +140,30 @@ def moved(workers: Sequence[Iterable[str]]) -> int:
 
 
 def later_of_files(workers: Iterable[Path]) -> dict[str, object]:
-    """`later_turns` over the workers' log files, as result fields: moved=N (as before),
+    """`later_turns` over the workers' log files, as result fields: inside=N/S (`inside`),
+    moved=N (as before),
     later=kept:N/evicted:N/moved:N and later_tokens=kept:N/evicted:N/moved:N."""
-    turns, tokens = later_turns([_lines([path]) for path in workers])
+    lines = [_lines([path]) for path in workers]
+    turns, tokens = later_turns(lines)
     kinds = ("kept", "evicted", "moved")
     return {
+        "inside": inside(lines),
         "moved": turns["moved"],
         "later": "/".join(f"{k}:{turns[k]}" for k in kinds),
         "later_tokens": "/".join(f"{k}:{tokens[k]}" for k in kinds),
     }
+
+
+def inside(workers: Iterable[Iterable[str]]) -> str:
+    """Requests queued inside a worker over `INSIDE` seconds (their prefill lines'
+    `waited`), and those waits summed: inside=N/S.SSs."""
+    waits = [
+        w
+        for lines in workers
+        for e in _entries(lines, "prefill")
+        if isinstance(w := e.get("waited"), (int, float)) and w > INSIDE
+    ]
+    return f"{len(waits)}/{sum(waits):.2f}s"
 
 
 def brief(counts: Counter[str]) -> str:

@@ -30,6 +30,7 @@ from benchmarks.families import (
 from benchmarks.placements import (
     brief,
     count,
+    inside,
     later_turns,
     moved,
     plan_moves,
@@ -327,6 +328,18 @@ def test_later_turns_tell_a_kept_history_from_an_evicted_one_and_a_move() -> Non
     # Half the turn before's prompt cached is still kept; less is evicted.
     assert later_turns([[line % ("h-t0", 10, 10), line % ("h-t1", 30, 25)]])[0] == {"kept": 1}
     assert later_turns([[line % ("h-t0", 10, 10), line % ("h-t1", 30, 26)]])[0] == {"evicted": 1}
+
+
+def test_inside_counts_requests_queued_inside_a_worker_and_their_waits() -> None:
+    """--placements: the requests a worker kept queued (arrival to admission) over INSIDE
+    seconds, counted and their waits summed, over every worker; an admission's own
+    millisecond, lines without a numeric wait and broken lines count nothing."""
+    line = '{"event": "prefill", "request_id": "r%d", "waited": %s}'
+    one = [line % (1, "0.001"), line % (2, "0.25"), line % (3, '"0.5"'), "{"]
+    two = [line % (4, "0.011"), line % (5, "1.0"), line % (6, "0.01"), "not json"]
+    assert inside([one, two]) == "3/1.26s"
+    assert inside([one]) == "1/0.25s"
+    assert inside([]) == "0/0.00s"
 
 
 def test_plan_moves_sums_models_and_takes_one_process_of_each() -> None:
