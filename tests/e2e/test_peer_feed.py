@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import wait_until
 from tests.support.processes import free_port
 from vllm_gateway.app import DISPATCHER, GATEWAY, REGISTRY
+from vllm_gateway.config.gateway import ScrapeConfig, WorkerSpec
 from vllm_gateway.config.replicas import ReplicasConfig
 from vllm_gateway.dispatch.prefix_hash import prefix_blocks
 from vllm_gateway.process import feed_handshake, feed_links
@@ -83,11 +84,12 @@ async def test_a_later_turn_at_the_other_replica_goes_where_its_history_is(
     to_a = [r for r in a.stats.requests if r.path == "/v1/chat/completions"]
     to_b = [r for r in b.stats.requests if r.path == "/v1/chat/completions"]
     assert (len(to_a), len(to_b)) == (0, 20)
-    # What each told and applied; nothing lost, nothing refused, the self-link not counted.
+    # What each told and applied (each request placed, and ended: 10 + 10); nothing lost,
+    # nothing refused, the self-link not counted.
     name = "vllm_gateway_replica_placements_total"
     counts = [await metric_lines(r.url, name) for r in replicas]
-    assert counts[0][name + '{result="told"}'] == counts[1][name + '{result="applied"}'] == 10
-    assert counts[1][name + '{result="told"}'] == counts[0][name + '{result="applied"}'] == 10
+    assert counts[0][name + '{result="told"}'] == counts[1][name + '{result="applied"}'] == 20
+    assert counts[1][name + '{result="told"}'] == counts[0][name + '{result="applied"}'] == 20
     for c in counts:
         assert c[name + '{result="dropped"}'] == c[name + '{result="refused"}'] == 0
     connected = [
@@ -327,3 +329,91 @@ async def test_a_replica_of_two_processes_hears_a_peer_in_both(fake_worker, gate
         await wait_until(lambda: lone_policy.shares["m"].samples == 7, timeout=5)
         await asyncio.sleep(0.2)  # (anything counted twice would have arrived by now)
         assert [p.shares["m"].samples for p in [*policies, lone_policy]] == [7, 7, 7]
+
+
+@pytest.mark.parametrize(
+    ("policy", "content"),
+    [
+        ("cache_aware", "a long answer, please " * 60),  # placed by its prefix blocks
+        ("queue", "a long answer, please " * 60),  # another policy's requests count too
+    ],
+)
+async def test_a_peers_requests_count_on_a_worker_between_scrapes(
+    fake_worker, gateway, client, policy, content
+):
+    """What the capacity gate adds to a replica's own requests on a worker (`others`):
+    told, a peer's request counts there as it goes out and stops counting when it ends,
+    with no scrape in between (scrapes every 60 s here), whatever policy placed it."""
+
+    w = await fake_worker(models="m", ttft_ms=1, tpot_ms=50)
+    ports = [free_port(), free_port()]
+    peers = tuple(f"127.0.0.1:{p}" for p in ports)
+    slow = ScrapeConfig(interval=60.0, timeout=1.0, stale_after=120.0)
+    a, b = [
+        await gateway([w], policy=policy, scrape=slow,
+                      replicas=ReplicasConfig(listen=f"127.0.0.1:{p}", peers=peers, token=TOKEN))
+        for p in ports
+    ]  # fmt: skip
+    for r in (a, b):
+        feed = r.app[GATEWAY].status.peers
+        await wait_until(lambda f=feed: f.connected() == 1, timeout=5)
+    in_b = b.app[REGISTRY].get(w.url)
+    assert in_b is not None and in_b.others == 0
+    messages = [{"role": "user", "content": content}]
+    stream = await client(a).chat.completions.create(
+        model="m", messages=messages, max_tokens=40, stream=True
+    )
+    chunks = aiter(stream)
+    await anext(chunks)  # a's request is running on w
+    await wait_until(lambda: in_b.others == 1, timeout=2)
+    async for _ in chunks:
+        pass
+    await wait_until(lambda: in_b.others == 0, timeout=2)
+
+
+async def test_a_request_waiting_for_a_peers_slot_goes_when_the_peers_request_ends(
+    fake_worker, gateway, client
+):
+    """A worker of 2 slots: b runs one request there and a runs the other, so b's next
+    request waits in b's queue (b counts a's request, told). When a's ends, b is told, and
+    its waiter takes the slot at once: before b's own request ends, with no scrape between
+    (every 60 s here)."""
+    w = await fake_worker(models="m", ttft_ms=1, tpot_ms=30)
+    ports = [free_port(), free_port()]
+    peers = tuple(f"127.0.0.1:{p}" for p in ports)
+    slow = ScrapeConfig(interval=60.0, timeout=1.0, stale_after=120.0)
+    a, b = [
+        await gateway([WorkerSpec(url=w.url, max_num_seqs=2)], policy="cache_aware",
+                      scrape=slow,
+                      replicas=ReplicasConfig(listen=f"127.0.0.1:{p}", peers=peers, token=TOKEN))
+        for p in ports
+    ]  # fmt: skip
+    for r in (a, b):
+        feed = r.app[GATEWAY].status.peers
+        await wait_until(lambda f=feed: f.connected() == 1, timeout=5)
+    in_b = b.app[REGISTRY].get(w.url)
+    assert in_b is not None
+    messages = [{"role": "user", "content": "tell me a story"}]
+
+    async def first_chunk(gw, max_tokens):
+        stream = await client(gw).chat.completions.create(
+            model="m", messages=messages, max_tokens=max_tokens, stream=True
+        )
+        chunks = aiter(stream)
+        await anext(chunks)
+        return chunks
+
+    b_long = await first_chunk(b, 60)  # b's own, ~1.8 s
+    a_short = await first_chunk(a, 10)  # a's, ~0.3 s
+    await wait_until(lambda: in_b.others == 1, timeout=2)
+    waiter = asyncio.create_task(first_chunk(b, 5))
+    await asyncio.sleep(0.1)
+    assert not waiter.done() and b.app[DISPATCHER].admission.depth == 1  # it waits in b
+    async for _ in a_short:
+        pass
+    b_next = await asyncio.wait_for(waiter, timeout=1.0)  # a's end freed the slot
+    assert in_b.inflight == 2  # b's first request is still running
+    async for _ in b_next:
+        pass
+    async for _ in b_long:
+        pass

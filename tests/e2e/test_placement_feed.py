@@ -157,8 +157,9 @@ async def test_a_later_turn_at_the_other_process_goes_where_its_history_is(fake_
                 for line in text.splitlines()
                 if line.startswith("vllm_gateway_sibling_placements_total{")
             }
-            assert counts[("0", "told")] == counts[("1", "applied")] == 10
-            assert counts[("1", "told")] == counts[("0", "applied")] == 10
+            # (each request told twice: placed, and ended)
+            assert counts[("0", "told")] == counts[("1", "applied")] == 20
+            assert counts[("1", "told")] == counts[("0", "applied")] == 20
             assert counts[("0", "dropped")] == counts[("1", "dropped")] == 0
             # Each conversation counts once in each process's shares, whichever sent its turns.
             samples = [app[DISPATCHER].policy.shares["m"].samples for app in apps]

@@ -402,6 +402,14 @@ class Dispatcher:
             for model in worker.models:
                 self._serve_queue(model)
 
+    def others_ended(self, worker: Worker) -> None:
+        """A request another sender had on `worker` ended (told by a sibling process or a
+        peer replica: process/placement_sharing.py), and its count there (`Worker.others`)
+        fell: serve the waiters the slot may now be theirs, as a release of one's own does."""
+        if self.admission.depth:
+            for model in worker.models:
+                self._serve_queue(model)
+
     def _on_registry_change(self) -> None:
         present = set(self.registry)
         self.buckets.forget_missing(present)

@@ -17,6 +17,7 @@ from aiohttp import web
 
 from vllm_gateway.config.replicas import ReplicasConfig, parse_address
 from vllm_gateway.dispatch.dispatcher import Dispatcher
+from vllm_gateway.dispatch.lease import Lease
 from vllm_gateway.dispatch.policies import Policy
 from vllm_gateway.dispatch.policies.cache_aware import CacheAware
 from vllm_gateway.dispatch.request_info import RequestInfo
@@ -26,6 +27,10 @@ from vllm_gateway.process.siblings import Siblings
 from vllm_gateway.workers import Worker, WorkerRegistry
 
 Lifetime = Callable[[web.Application], AsyncIterator[None]]
+
+# `shared` values that are no count of a cache_aware placement (those are >= -1):
+LOAD = -3  # a request sent to the worker, nothing to record (no blocks, another policy)
+DONE = -2  # a request told before ended
 
 
 def peer_feed(
@@ -47,11 +52,19 @@ def share_placements(
     peers: Callable[[Apply], PlacementFeed] | None,
 ) -> tuple[PlacementFeed | None, PlacementFeed | None]:
     """Tell the siblings (`serve --processes N`) and the peer replicas (`[replicas]`) each
-    placement a cache_aware policy of `dispatcher` makes, and record theirs in the same
-    policy's index here (the worker by its URL: each process has its own Worker objects
-    for the same workers). `siblings(apply)` and `peers(apply)` make the feeds (None: that
-    feed is off); the two made are returned. A peer's placement reaches one process of this
-    replica (its connection's), which tells its siblings too."""
+    request `dispatcher` sends and when it ends, with what a cache_aware policy placed;
+    count theirs on their workers and record their placements in the same policy's index
+    here (the worker by its URL: each process has its own Worker objects for the same
+    workers). `siblings(apply)` and `peers(apply)` make the feeds (None: that feed is off);
+    the two made are returned. A peer's placement reaches one process of this replica (its
+    connection's), which tells its siblings too.
+
+    The count is `Worker.others`, which the capacity gate adds to this process's own
+    requests: a scrape sets it from the worker's page every 250 ms (its running and waiting
+    requests less this process's); told, it follows the others' requests as they go out and
+    end in between, so two senders do not both fill a worker's last slots between two
+    scrapes (the blind window: each counts only its own). The next scrape sets it from the
+    page again, which also undoes a lost or late message."""
 
     apply = _applier(dispatcher, registry)
     sibling_feed = siblings(apply) if siblings is not None else None
@@ -75,15 +88,26 @@ def _applier(dispatcher: Dispatcher, registry: WorkerRegistry) -> Apply:
     here, by the model's cache_aware policy (the worker by its URL)."""
 
     def apply(model: str, url: str, shared: int, preamble: int, names: Sequence[int]) -> None:
+        worker = registry.get(url)
+        if shared == DONE:
+            if worker is not None and worker.others >= 1.0:
+                worker.others -= 1.0
+                dispatcher.others_ended(worker)
+            return
+        if worker is not None:
+            worker.others += 1.0
+        if shared == LOAD:
+            return
         policy = dispatcher.policy_for_model.get(model, dispatcher.policy)
         if isinstance(policy, CacheAware):  # (a worker not known here yet is still counted)
-            policy.told(model, registry.get(url), shared, preamble, names)
+            policy.told(model, worker, shared, preamble, names)
 
     return apply
 
 
 def _tell(dispatcher: Dispatcher, publishers: list[Callable[..., None]]) -> None:
-    """Hook `dispatcher` so each cache_aware placement is told."""
+    """Hook `dispatcher` so each request sent is told (with what cache_aware placed), and
+    its end (`DONE`) when its lease is released."""
 
     def placed(policy: Policy, info: RequestInfo, worker: Worker) -> None:
         if isinstance(policy, CacheAware):
@@ -92,8 +116,16 @@ def _tell(dispatcher: Dispatcher, publishers: list[Callable[..., None]]) -> None
                 shared = policy.shared if policy.new else -1  # (-1: not counted again)
                 for publish in publishers:
                     publish(info.model, worker.url, shared, blocks.preamble, blocks.blocks)
+                return
+        for publish in publishers:
+            publish(info.model, worker.url, LOAD, 0, ())
+
+    def released(lease: Lease) -> None:
+        for publish in publishers:
+            publish(lease.info.model, lease.worker.url, DONE, 0, ())
 
     dispatcher.on_placed = placed
+    dispatcher.on_release.append(released)
 
 
 def feeds_lifetime(siblings: Siblings | None, feed: PlacementFeed | None) -> Lifetime:
