@@ -21,12 +21,13 @@ admission queue. Tokens come from three sources (docs/dispatch.md has the figure
 In front of the bucket stands the capacity gate: a worker is full, and takes nothing new,
 while this process's in-flight requests to it reach its capacity, or they and what
 other senders had on it at its last scrape (`Worker.others`: other replicas, sibling
-processes of `serve --processes N`, clients that go around the gateway) do. A sibling
-process is gated as a replica is: by its own requests and the others' at the last scrape,
-not by a fixed 1/N of the capacity (measured: docs/dispatch-rounds.md). So requests wait in
-the gateway, where the first slot freed anywhere takes the head of the admission queue,
-and not inside a full worker's queue, also before anything was learned. The capacity
-is, first found first:
+processes of `serve --processes N`, clients that go around the gateway) do; siblings and
+replicas told of each other count each other's requests there as they start and end, in
+between (process/placement_sharing.py). A sibling process is gated as a replica is: by its
+own requests and the others', not by a fixed 1/N of the capacity (measured:
+docs/dispatch-rounds.md). So requests wait in the gateway, where the first slot freed
+anywhere takes the head of the admission queue, and not inside a full worker's queue,
+also before anything was learned. The capacity is, first found first:
 
 1. the worker's `max_num_seqs` from the configuration, when given;
 2. learned: when a worker reports a waiting queue, the number it has running is as many
@@ -187,7 +188,8 @@ class Buckets:
         """The capacity gate: the worker's capacity (`Worker.capacity`, kept equal to
         `capacity_of` by on_stats) is filled by this process's in-flight requests and what
         other senders had on it at its last scrape (`Worker.others`: other replicas of the
-        gateway, sibling processes, clients that go around the gateway). Two replicas
+        gateway, sibling processes, clients that go around the gateway; told, the siblings'
+        and peers' as they start and end). Two replicas
         gating on their own counts alone would fill a worker twice; with one gateway
         process alone, `others` is 0. Either way a process with nothing in flight may send
         one request: a page whose gauges froze

@@ -22,9 +22,9 @@ def feed_metrics(w: Writer, feed: PlacementFeed, peers: bool = False) -> None:
     w.family(
         name,
         "counter",
-        f"cache_aware placements told to the {whom} (told, once each), applied from "
-        "them (applied), lost (dropped: not told to one away or too slow to read, or a "
-        "line that failed)"
+        f"Lines told to the {whom} (told, once each: a request sent, with its cache_aware "
+        "placement if any, or its end), applied from them (applied), lost (dropped: not "
+        "told to one away or too slow to read, or a line that failed)"
         + (", and connections in refused for a wrong token (refused)." if peers else "."),
     )
     counts = [("told", feed.sent), ("applied", feed.received), ("dropped", feed.dropped)]

@@ -13,7 +13,10 @@ placement a process makes (the model, the worker's URL, what the prompt shares w
 as cache_aware counted it, its preamble and block names) goes to its siblings and to the
 peer replicas, which count and record it as if they had made it: about one index and one
 count of shares (so about one preamble plan), kept in every process. About: a process that
-restarts starts empty, and what a stalled sibling or peer could not take is dropped.
+restarts starts empty, and what a stalled sibling or peer could not take is dropped. The
+same lines also tell every request sent (a placement, or with no names) and its end, so
+each process counts the others' requests on a worker as they run, not only as its last
+scrape saw them (process/placement_sharing.py: the capacity gate's blind window).
 
 Between siblings the channel is a unix stream socket per process, in the run's private
 directory beside the control sockets (siblings.py); between replicas a TCP port of each
