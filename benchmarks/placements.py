@@ -25,10 +25,13 @@ logs on the request id: the tokens the workers prefilled, by the step that place
 request, which says which decisions cost the fleet its prefills (a document copied into
 one more cache is 2000 tokens on docchat; a turn on its history's worker a few dozen).
 `inside` reads the same worker logs for the time requests spent queued inside a worker
-(arrival to admission: a full batch, or KV blocks that did not fit): how many waited over
-`INSIDE` seconds and their waits summed, for any system in front. That is the tail the
-gateway's capacity gate is there to keep out of the workers (it holds such requests in its
-own queue for the first free slot instead), counted directly rather than read from a p99.
+(arrival to the start of their prefill: a full batch, KV blocks that did not fit, or other
+prompts' prefills ahead on the worker's one prefill lane): how many waited over `INSIDE`
+seconds and their waits summed, for any system in front. Where prefill is cheap (hetero,
+longchat's cached turns) that is mostly the tail the gateway's capacity gate is there to
+keep out of the workers (it holds such requests in its own queue for the first free slot
+instead), counted directly rather than read from a p99; where cold prompts are long
+(ragchat, docchat) it is mostly their prefill, so it follows the cache hits.
 """
 
 from __future__ import annotations
@@ -156,7 +159,7 @@ def later_of_files(workers: Iterable[Path]) -> dict[str, object]:
 
 def inside(workers: Iterable[Iterable[str]]) -> str:
     """Requests queued inside a worker over `INSIDE` seconds (their prefill lines'
-    `waited`), and those waits summed: inside=N/S.SSs."""
+    `waited`: arrival to prefill start), and those waits summed: inside=N/S.SSs."""
     waits = [
         w
         for lines in workers
