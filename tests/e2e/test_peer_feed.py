@@ -359,6 +359,7 @@ async def test_a_peers_requests_count_on_a_worker_between_scrapes(
         await wait_until(lambda f=feed: f.connected() == 1, timeout=5)
     in_b = b.app[REGISTRY].get(w.url)
     assert in_b is not None and in_b.others == 0
+    scrapes = w.stats.metrics_scrapes
     messages = [{"role": "user", "content": content}]
     stream = await client(a).chat.completions.create(
         model="m", messages=messages, max_tokens=40, stream=True
@@ -369,6 +370,7 @@ async def test_a_peers_requests_count_on_a_worker_between_scrapes(
     async for _ in chunks:
         pass
     await wait_until(lambda: in_b.others == 0, timeout=2)
+    assert w.stats.metrics_scrapes == scrapes  # told, not scraped
 
 
 async def test_a_request_waiting_for_a_peers_slot_goes_when_the_peers_request_ends(
@@ -395,15 +397,19 @@ async def test_a_request_waiting_for_a_peers_slot_goes_when_the_peers_request_en
     assert in_b is not None
     messages = [{"role": "user", "content": "tell me a story"}]
 
+    streams = []
+
     async def first_chunk(gw, max_tokens):
         stream = await client(gw).chat.completions.create(
             model="m", messages=messages, max_tokens=max_tokens, stream=True
         )
+        streams.append(stream)
         chunks = aiter(stream)
         await anext(chunks)
         return chunks
 
-    b_long = await first_chunk(b, 60)  # b's own, ~1.8 s
+    scrapes = w.stats.metrics_scrapes
+    await first_chunk(b, 200)  # b's own, ~6 s: it outlasts the rest by far
     a_short = await first_chunk(a, 10)  # a's, ~0.3 s
     await wait_until(lambda: in_b.others == 1, timeout=2)
     waiter = asyncio.create_task(first_chunk(b, 5))
@@ -413,7 +419,7 @@ async def test_a_request_waiting_for_a_peers_slot_goes_when_the_peers_request_en
         pass
     b_next = await asyncio.wait_for(waiter, timeout=1.0)  # a's end freed the slot
     assert in_b.inflight == 2  # b's first request is still running
+    assert w.stats.metrics_scrapes == scrapes  # told, not scraped
     async for _ in b_next:
         pass
-    async for _ in b_long:
-        pass
+    await streams[0].close()  # b_long, not read to its end

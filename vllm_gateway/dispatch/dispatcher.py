@@ -170,8 +170,9 @@ class Dispatcher:
         self.admission = Admission(config.max_queued, config.max_queue_wait)
         # Called with each finished lease (telemetry, access log); kept cheap.
         self.on_release: list[Callable[[Lease], None]] = []
-        # Told each placement (`serve --processes N`: process/placement_feed.py) or None.
-        self.on_placed: Callable[[Policy, RequestInfo, Worker], None] | None = None
+        # Told each placement (`serve --processes N`: process/placement_feed.py) or None;
+        # its last argument: whether a lease holds the request (False: `choose` only names).
+        self.on_placed: Callable[[Policy, RequestInfo, Worker, bool], None] | None = None
         self.retries = 0  # requests tried again on another worker, since start
         # Models whose requests wait in the admission queue when no worker serves them or
         # none is available (the autoscaler starts one: scale from zero), instead of 404/503.
@@ -200,7 +201,7 @@ class Dispatcher:
         info.stretched = ()  # nothing is let past a limit here (`_pick` says why it may)
         worker = policy.select(candidates, info) if candidates else None
         if worker is not None and self.on_placed is not None:  # (the siblings count it too)
-            self.on_placed(policy, info, worker)
+            self.on_placed(policy, info, worker, False)
         return worker
 
     async def before_retry(self, lease: Lease, error: UpstreamError) -> None:
@@ -273,7 +274,7 @@ class Dispatcher:
         if worker is None:
             return None
         if self.on_placed is not None:  # (the siblings count and record it too)
-            self.on_placed(policy, info, worker)
+            self.on_placed(policy, info, worker, True)
         if more and worker in more:
             self.buckets.stretch(worker)
         full = self.buckets.take(worker, policy.load_aware, len(info.body))  # before counting

@@ -28,7 +28,8 @@ waits on it and nothing is retried: while a sibling or peer is away (not started
 restarting) its placements are dropped, and the connection is tried again every
 `RECONNECT_SECONDS`; and while it reads too slowly to keep what is written to it under
 `MAX_BUFFERED` bytes, so are they. The index they would have fed is a guess anyway; a lost
-placement costs at worst a prefill. What arrives is checked (types, sizes) before use: a
+placement costs at worst a prefill, and a lost end (below) a slot kept out of use until the
+next scrape. What arrives is checked (types, sizes) before use: a
 malformed line is dropped whole, and a line longer than `MAX_LINE` closes the connection.
 A peer's placement reaches the one process of this replica its connection landed on,
 which tells its siblings too.
@@ -77,7 +78,8 @@ RESOLVE_SECONDS = 10.0
 MAX_ADDRESSES = 256  # peer addresses linked to, at most, whatever the names resolve to
 
 # model, worker URL, what it shared with many (as counted; -1: a conversation's later
-# request, not counted again), preamble, block names
+# request, not counted again; below that, a line with no placement to record:
+# placement_sharing.py's LOAD and DONE), preamble, block names
 Placement = tuple[str, str, int, int, Sequence[int]]
 Apply = Callable[[str, str, int, int, Sequence[int]], None]
 
@@ -267,7 +269,8 @@ class PlacementFeed:
         self, model: str, url: str, shared: int, preamble: int, names: Sequence[int]
     ) -> None:
         """This process sent a prompt for `model` with `names` (and `preamble`; sharing
-        `shared` with many) to `url`."""
+        `shared` with many) to `url`; or, `shared` below -1, a line the wiring gives its own
+        meaning (placement_sharing.py: a request with nothing to record, a request's end)."""
         if not self._open or len(model) > MAX_TEXT or len(url) > MAX_TEXT:
             return
         if len(self._outbox) >= MAX_OUTBOX:

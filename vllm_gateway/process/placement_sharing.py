@@ -4,9 +4,10 @@
     peer_feed(config.replicas, ident, reuse_port)             makes the peers' feed
     feeds_lifetime(siblings, feed)                            an app cleanup_ctx
 
-What a process tells (each cache_aware placement) and what it does with what it is told
-(recorded in the policy's index and shares), for the sibling processes of `serve
---processes N` and the peer replicas of `[replicas]` alike.
+What a process tells (each request it sends, with its cache_aware placement if any, and
+each request's end) and what it does with what it is told (the request counted on its
+worker while it runs, the placement recorded in the policy's index and shares), for the
+sibling processes of `serve --processes N` and the peer replicas of `[replicas]` alike.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from aiohttp import web
 
 from vllm_gateway.config.replicas import ReplicasConfig, parse_address
+from vllm_gateway.dispatch.buckets import PROBE_START
 from vllm_gateway.dispatch.dispatcher import Dispatcher
 from vllm_gateway.dispatch.lease import Lease
 from vllm_gateway.dispatch.policies import Policy
@@ -31,6 +33,10 @@ Lifetime = Callable[[web.Application], AsyncIterator[None]]
 # `shared` values that are no count of a cache_aware placement (those are >= -1):
 LOAD = -3  # a request sent to the worker, nothing to record (no blocks, another policy)
 DONE = -2  # a request told before ended
+# Told requests count on a worker up to this many times its capacity (as the gate knows it,
+# else PROBE_START): past its capacity a worker is full whatever the figure, and a peer
+# that tells starts and no ends (a bug, a lost link) moves the load view only so far.
+OTHERS_SPAN = 4.0
 
 
 def peer_feed(
@@ -84,18 +90,25 @@ def share_placements(
 
 
 def _applier(dispatcher: Dispatcher, registry: WorkerRegistry) -> Apply:
-    """What is done with a sibling's or peer's placement: counted and recorded as if made
-    here, by the model's cache_aware policy (the worker by its URL)."""
+    """What is done with a sibling's or peer's line (the worker by its URL): a request
+    counted on its worker (`Worker.others`, at most `OTHERS_SPAN` x its capacity) until its
+    end is told; its placement counted and recorded as if made here, by the model's
+    cache_aware policy. An end that opens the worker's capacity gate serves the admission
+    queue (only then: a peer decides how often ends come)."""
+    is_full = dispatcher.buckets.is_full
 
     def apply(model: str, url: str, shared: int, preamble: int, names: Sequence[int]) -> None:
         worker = registry.get(url)
         if shared == DONE:
             if worker is not None and worker.others >= 1.0:
+                full = is_full(worker)
                 worker.others -= 1.0
-                dispatcher.others_ended(worker)
+                if full and not is_full(worker):
+                    dispatcher.others_ended(worker)
             return
         if worker is not None:
-            worker.others += 1.0
+            most = OTHERS_SPAN * (worker.max_num_seqs or worker.capacity or PROBE_START)
+            worker.others = min(most, worker.others + 1.0)
         if shared == LOAD:
             return
         policy = dispatcher.policy_for_model.get(model, dispatcher.policy)
@@ -107,18 +120,25 @@ def _applier(dispatcher: Dispatcher, registry: WorkerRegistry) -> Apply:
 
 def _tell(dispatcher: Dispatcher, publishers: list[Callable[..., None]]) -> None:
     """Hook `dispatcher` so each request sent is told (with what cache_aware placed), and
-    its end (`DONE`) when its lease is released."""
+    its end (`DONE`) when its lease is released. A worker only named (`choose`: FastChat's
+    /get_worker_address, no lease here) is told as placed and ended at once: its placement
+    recorded, nothing left counted."""
 
-    def placed(policy: Policy, info: RequestInfo, worker: Worker) -> None:
+    def placed(policy: Policy, info: RequestInfo, worker: Worker, leased: bool = True) -> None:
+        told = False
         if isinstance(policy, CacheAware):
             blocks = info.prefix_blocks()  # (computed once, by the policy's select)
             if blocks is not None:
                 shared = policy.shared if policy.new else -1  # (-1: not counted again)
                 for publish in publishers:
                     publish(info.model, worker.url, shared, blocks.preamble, blocks.blocks)
-                return
-        for publish in publishers:
-            publish(info.model, worker.url, LOAD, 0, ())
+                told = True
+        if not told and leased:
+            for publish in publishers:
+                publish(info.model, worker.url, LOAD, 0, ())
+        elif told and not leased:
+            for publish in publishers:
+                publish(info.model, worker.url, DONE, 0, ())
 
     def released(lease: Lease) -> None:
         for publish in publishers:
