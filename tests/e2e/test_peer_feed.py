@@ -331,6 +331,23 @@ async def test_a_replica_of_two_processes_hears_a_peer_in_both(fake_worker, gate
         assert [p.shares["m"].samples for p in [*policies, lone_policy]] == [7, 7, 7]
 
 
+async def told_pair(gateway, workers, policy):
+    """Two replicas told of each other in front of `workers`, scraping them only every
+    60 s (so what changes between is told), once linked."""
+    ports = [free_port(), free_port()]
+    peers = tuple(f"127.0.0.1:{p}" for p in ports)
+    slow = ScrapeConfig(interval=60.0, timeout=1.0, stale_after=120.0)
+    pair = [
+        await gateway(workers, policy=policy, scrape=slow,
+                      replicas=ReplicasConfig(listen=f"127.0.0.1:{p}", peers=peers, token=TOKEN))
+        for p in ports
+    ]  # fmt: skip
+    for r in pair:
+        feed = r.app[GATEWAY].status.peers
+        await wait_until(lambda f=feed: f.connected() == 1, timeout=5)
+    return pair
+
+
 @pytest.mark.parametrize(
     ("policy", "content"),
     [
@@ -346,17 +363,7 @@ async def test_a_peers_requests_count_on_a_worker_between_scrapes(
     with no scrape in between (scrapes every 60 s here), whatever policy placed it."""
 
     w = await fake_worker(models="m", ttft_ms=1, tpot_ms=50)
-    ports = [free_port(), free_port()]
-    peers = tuple(f"127.0.0.1:{p}" for p in ports)
-    slow = ScrapeConfig(interval=60.0, timeout=1.0, stale_after=120.0)
-    a, b = [
-        await gateway([w], policy=policy, scrape=slow,
-                      replicas=ReplicasConfig(listen=f"127.0.0.1:{p}", peers=peers, token=TOKEN))
-        for p in ports
-    ]  # fmt: skip
-    for r in (a, b):
-        feed = r.app[GATEWAY].status.peers
-        await wait_until(lambda f=feed: f.connected() == 1, timeout=5)
+    a, b = await told_pair(gateway, [w], policy)
     in_b = b.app[REGISTRY].get(w.url)
     assert in_b is not None and in_b.others == 0
     scrapes = w.stats.metrics_scrapes
@@ -381,18 +388,7 @@ async def test_a_request_waiting_for_a_peers_slot_goes_when_the_peers_request_en
     its waiter takes the slot at once: before b's own request ends, with no scrape between
     (every 60 s here)."""
     w = await fake_worker(models="m", ttft_ms=1, tpot_ms=30)
-    ports = [free_port(), free_port()]
-    peers = tuple(f"127.0.0.1:{p}" for p in ports)
-    slow = ScrapeConfig(interval=60.0, timeout=1.0, stale_after=120.0)
-    a, b = [
-        await gateway([WorkerSpec(url=w.url, max_num_seqs=2)], policy="cache_aware",
-                      scrape=slow,
-                      replicas=ReplicasConfig(listen=f"127.0.0.1:{p}", peers=peers, token=TOKEN))
-        for p in ports
-    ]  # fmt: skip
-    for r in (a, b):
-        feed = r.app[GATEWAY].status.peers
-        await wait_until(lambda f=feed: f.connected() == 1, timeout=5)
+    a, b = await told_pair(gateway, [WorkerSpec(url=w.url, max_num_seqs=2)], "cache_aware")
     in_b = b.app[REGISTRY].get(w.url)
     assert in_b is not None
     messages = [{"role": "user", "content": "tell me a story"}]
@@ -409,7 +405,8 @@ async def test_a_request_waiting_for_a_peers_slot_goes_when_the_peers_request_en
         return chunks
 
     scrapes = w.stats.metrics_scrapes
-    await first_chunk(b, 200)  # b's own, ~6 s: it outlasts the rest by far
+    b_long = await first_chunk(b, 200)  # b's own, ~6 s: outlasts the rest (kept: collected,
+    # its iterator would close the stream)
     a_short = await first_chunk(a, 10)  # a's, ~0.3 s
     await wait_until(lambda: in_b.others == 1, timeout=2)
     waiter = asyncio.create_task(first_chunk(b, 5))
@@ -422,4 +419,5 @@ async def test_a_request_waiting_for_a_peers_slot_goes_when_the_peers_request_en
     assert w.stats.metrics_scrapes == scrapes  # told, not scraped
     async for _ in b_next:
         pass
-    await streams[0].close()  # b_long, not read to its end
+    await streams[0].close()  # b_long's, not read to its end
+    del b_long

@@ -65,7 +65,7 @@ def test_an_end_serves_the_queue_only_when_it_opens_the_gate(monkeypatch):
     registry, w, d = fleet()
     w.max_num_seqs = 2
     served: list[str] = []
-    monkeypatch.setattr(d, "others_ended", lambda worker: served.append(worker.url))
+    monkeypatch.setattr(d, "room_opened", lambda worker: served.append(worker.url))
     apply = _applier(d, registry)
     w.inflight = 1
     apply("m", w.url, LOAD, 0, ())

@@ -187,14 +187,12 @@ class Buckets:
     def is_full(self, worker: Worker) -> bool:
         """The capacity gate: the worker's capacity (`Worker.capacity`, kept equal to
         `capacity_of` by on_stats) is filled by this process's in-flight requests and what
-        other senders had on it at its last scrape (`Worker.others`: other replicas of the
-        gateway, sibling processes, clients that go around the gateway; told, the siblings'
-        and peers' as they start and end). Two replicas
-        gating on their own counts alone would fill a worker twice; with one gateway
-        process alone, `others` is 0. Either way a process with nothing in flight may send
-        one request: a page whose gauges froze
-        after its requests ended (vLLM updates them only when its engine steps) would
-        otherwise keep the worker idle, and unchanged, for good."""
+        other senders had on it at its last scrape (`Worker.others`: other replicas, sibling
+        processes, direct clients; told, as they start and end). Two replicas gating on
+        their own counts alone would fill a worker twice; with one gateway process alone,
+        `others` is 0. Either way a process with nothing in flight may send one request: a
+        page whose gauges froze after its requests ended (vLLM updates them only when its
+        engine steps) would otherwise keep the worker idle, and unchanged, for good."""
         capacity = worker.max_num_seqs or worker.capacity
         inflight = worker.inflight
         return bool(capacity) and inflight > 0 and inflight + worker.others >= capacity

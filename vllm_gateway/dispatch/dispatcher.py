@@ -66,6 +66,7 @@ from vllm_gateway.dispatch.lease import (
     outcome_of,
     unreachable_answer,
 )
+from vllm_gateway.dispatch.load import count_model
 from vllm_gateway.dispatch.no_worker import without_worker
 from vllm_gateway.dispatch.patience import patient, room_for
 from vllm_gateway.dispatch.policies import (
@@ -279,7 +280,7 @@ class Dispatcher:
             self.buckets.stretch(worker)
         full = self.buckets.take(worker, policy.load_aware, len(info.body))  # before counting
         worker.inflight += 1
-        _count_model(worker, info.model, 1)
+        count_model(worker, info.model, 1)
         worker.sent_since_scrape += 1
         attempt = len(exclude) + 1
         can_retry = attempt < self.retry.max_attempts and len(available) > 1
@@ -399,14 +400,11 @@ class Dispatcher:
 
     def _on_stats(self, worker: Worker) -> None:
         self.buckets.on_stats(worker)
-        if self.admission.depth:
-            for model in worker.models:
-                self._serve_queue(model)
+        self.room_opened(worker)
 
-    def others_ended(self, worker: Worker) -> None:
-        """A request another sender had on `worker` ended (told by a sibling process or a
-        peer replica: process/placement_sharing.py), and its count there (`Worker.others`)
-        fell: serve the waiters the slot may now be theirs, as a release of one's own does."""
+    def room_opened(self, worker: Worker) -> None:
+        """Room may have opened on `worker` (a scrape, a release here, or a request another
+        sender had there ended, told: process/placement_sharing.py): serve its waiters."""
         if self.admission.depth:
             for model in worker.models:
                 self._serve_queue(model)
@@ -430,7 +428,7 @@ class Dispatcher:
         worker.inflight -= 1
         if lease.pending:  # ended without a first byte
             lease.prefilled()
-        _count_model(worker, lease.info.model, -1)
+        count_model(worker, lease.info.model, -1)
         worker.finished_since_scrape += 1
         outcome = lease.outcome
         if outcome == OK:
@@ -444,16 +442,4 @@ class Dispatcher:
             self.buckets.on_release(worker, time.monotonic() - lease.started, completed)
         for hook in self.on_release:
             hook(lease)
-        if self.admission.depth:
-            for model in worker.models:
-                self._serve_queue(model)
-
-
-def _count_model(worker: Worker, model: str, delta: int) -> None:
-    """Count a lease in (+1) or out (-1) of the worker's in-flight requests for `model`."""
-    by_model = worker.inflight_by_model
-    n = by_model.get(model, 0) + delta
-    if n > 0:
-        by_model[model] = n
-    else:
-        by_model.pop(model, None)
+        self.room_opened(worker)

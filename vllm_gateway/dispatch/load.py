@@ -9,6 +9,7 @@ the in-flight count is all there is.
 
 Pure and cheap: policies call it for every candidate of every request. `held` is the
 capacity gate's own measure (buckets.py), with what other senders had there.
+`count_model` keeps each worker's in-flight count per model (the dispatcher's leases).
 """
 
 from __future__ import annotations
@@ -33,3 +34,13 @@ def held(worker: Worker) -> float:
     process's in-flight requests and what other senders had on it at its last scrape
     (`Worker.others`: replicas, sibling processes, direct clients)."""
     return worker.inflight + worker.others
+
+
+def count_model(worker: Worker, model: str, delta: int) -> None:
+    """Count a lease in (+1) or out (-1) of the worker's in-flight requests for `model`."""
+    by_model = worker.inflight_by_model
+    n = by_model.get(model, 0) + delta
+    if n > 0:
+        by_model[model] = n
+    else:
+        by_model.pop(model, None)

@@ -104,7 +104,7 @@ def _applier(dispatcher: Dispatcher, registry: WorkerRegistry) -> Apply:
                 full = is_full(worker)
                 worker.others -= 1.0
                 if full and not is_full(worker):
-                    dispatcher.others_ended(worker)
+                    dispatcher.room_opened(worker)
             return
         if worker is not None:
             most = OTHERS_SPAN * (worker.max_num_seqs or worker.capacity or PROBE_START)
