@@ -68,9 +68,9 @@ def share_placements(
     The count is `Worker.others`, which the capacity gate adds to this process's own
     requests: a scrape sets it from the worker's page every 250 ms (its running and waiting
     requests less this process's); told, it follows the others' requests as they go out and
-    end in between, so two senders do not both fill a worker's last slots between two
-    scrapes (the blind window: each counts only its own). The next scrape sets it from the
-    page again, which also undoes a lost or late message."""
+    end in between, so two senders seldom both fill a worker's last slots between two
+    scrapes (the blind window: each counted only its own). The next successful scrape sets
+    it from the page again, which also undoes a lost or late message."""
 
     apply = _applier(dispatcher, registry)
     sibling_feed = siblings(apply) if siblings is not None else None
