@@ -57,6 +57,9 @@ def test_a_peers_requests_count_on_their_worker_at_most_a_span_of_its_capacity(m
     assert w.others == OTHERS_SPAN * (max_num_seqs or PROBE_START) - 1
     apply("m", "http://unknown", LOAD, 0, ())  # a worker not known here: nothing to count
     apply("m", "http://unknown", DONE, 0, ())
+    w.others = 100.0  # a scrape's page showed more: the cap bounds what is told, not that
+    apply("m", w.url, LOAD, 0, ())
+    assert w.others == 100.0
 
 
 def test_an_end_serves_the_queue_only_when_it_opens_the_gate(monkeypatch):

@@ -108,7 +108,8 @@ def _applier(dispatcher: Dispatcher, registry: WorkerRegistry) -> Apply:
             return
         if worker is not None:
             most = OTHERS_SPAN * (worker.max_num_seqs or worker.capacity or PROBE_START)
-            worker.others = min(most, worker.others + 1.0)
+            if worker.others < most:  # (a page's larger figure stands)
+                worker.others = min(most, worker.others + 1.0)
         if shared == LOAD:
             return
         policy = dispatcher.policy_for_model.get(model, dispatcher.policy)
