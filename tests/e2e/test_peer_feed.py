@@ -213,7 +213,8 @@ async def test_a_listener_without_the_token_is_told_nothing_and_cannot_drop_the_
     ended = asyncio.Event()
 
     async def stranger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b'{"nonce": "n", "id": "replica b"}\n')  # b's own id, claimed
+        opening = {"nonce": "n", "id": "replica b", "v": feed_handshake.PROTOCOL}
+        writer.write(json.dumps(opening).encode() + b"\n")  # b's own id, claimed
         seen.append(await reader.readline())  # b's answer (a MAC over a nonce: no token)
         writer.write(b'{"mac": "00", "self": true}\n')
         seen.append(await reader.read())  # anything else b sends, until it closes
@@ -235,6 +236,56 @@ async def test_a_listener_without_the_token_is_told_nothing_and_cannot_drop_the_
         await b.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_replicas_of_two_feed_protocols_do_not_link(fake_worker, gateway):
+    """A rolling upgrade: a replica of the release before versions (its handshake says
+    none; it would count this release's request and end lines as placements) beside one
+    of this. This one does not answer the older listener's opening, and refuses the older
+    connector's answer though its MAC proves the token; each counts it (`mismatched`,
+    not `refused`: the token is right), and no line of the older one is applied."""
+    seen: list[bytes] = []
+    ended = asyncio.Event()
+
+    async def old_listener(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'{"nonce": "n", "id": "an older replica"}\n')
+        seen.append(await reader.read())  # whatever the new one says, until it closes
+        ended.set()
+
+    server = await asyncio.start_server(old_listener, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    new = PlacementFeed(None, [("127.0.0.1", port)], lambda *p: None,
+                        hello=feed_handshake.Hello(TOKEN, "a new replica"))  # fmt: skip
+    await new.open()
+    try:
+        await asyncio.wait_for(ended.wait(), timeout=5)
+        assert seen == [b""] and new.mismatches == 1 and new.refused == 0
+        assert new.connected() == 0
+    finally:
+        await new.close()
+        server.close()
+        await server.wait_closed()
+    # An older connector, with the token, at a gateway of this release.
+    w = await fake_worker(models="m")
+    port = free_port()
+    gw = await gateway(
+        [w], policy="cache_aware", replicas=ReplicasConfig(listen=f"127.0.0.1:{port}", token=TOKEN)
+    )
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    opening = json.loads(await asyncio.wait_for(reader.readline(), timeout=5))
+    assert opening["v"] == feed_handshake.PROTOCOL
+    old, mine = feed_handshake.Hello(TOKEN, "an older replica"), "0" * 32
+    mac = old._mac("connector", opening["nonce"], mine, old.ident, opening["id"])  # (no v)
+    answer = json.dumps({"id": old.ident, "nonce": mine, "mac": mac}).encode()
+    line = b'[["m", "%s", 5, 0, [1, 2, 3]]]' % w.url.encode()
+    writer.write(answer + b"\n" + line + b"\n")
+    assert await asyncio.wait_for(reader.read(), timeout=5) == feed_links.REFUSED
+    writer.close()
+    name = "vllm_gateway_replica_placements_total"
+    counts = await metric_lines(gw.url, name)
+    assert counts[name + '{result="mismatched"}'] == 1
+    assert counts[name + '{result="refused"}'] == counts[name + '{result="applied"}'] == 0
+    assert gw.app[DISPATCHER].policy.shares == {}
 
 
 async def test_a_peer_name_stands_for_every_address_it_resolves_to():

@@ -25,10 +25,17 @@ def feed_metrics(w: Writer, feed: PlacementFeed, peers: bool = False) -> None:
         f"Lines told to the {whom} (told, once each: a request sent, with its cache_aware "
         "placement if any, or its end), applied from them (applied), lost (dropped: not "
         "told to one away or too slow to read, or a line that failed)"
-        + (", and connections in refused for a wrong token (refused)." if peers else "."),
+        + (
+            ", connections refused for a wrong token (refused), and handshakes with a "
+            "replica of another feed protocol, either side (mismatched: another release)."
+            if peers
+            else "."
+        ),
     )
     counts = [("told", feed.sent), ("applied", feed.received), ("dropped", feed.dropped)]
-    for result, value in counts + ([("refused", feed.refused)] if peers else []):
+    if peers:
+        counts += [("refused", feed.refused), ("mismatched", feed.mismatches)]
+    for result, value in counts:
         w.sample(name, value, (("result", result),))
     if peers:
         name = "vllm_gateway_replica_peers_connected"

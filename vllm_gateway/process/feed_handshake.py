@@ -1,8 +1,8 @@
 """The peer replicas' handshake and line tags: both sides prove the shared token, and every
 line after is tagged under a key of that connection's own.
 
-    listener  -> {"nonce": NL, "id": L}
-    connector -> {"id": C, "nonce": NC, "mac": MAC("connector", NL, NC, C, L)}
+    listener  -> {"nonce": NL, "id": L, "v": PROTOCOL}
+    connector -> {"id": C, "nonce": NC, "v": PROTOCOL, "mac": MAC("connector", NL, NC, C, L, V)}
     listener  -> {"mac": MAC("listener", NL, NC, L, C), "self": C == L}   or `refused`
     then each connector line: TAG(K, seq, line) + " " + line, K = MAC("session", NL, NC)
 
@@ -12,6 +12,12 @@ that cannot prove it (a stranger at a recycled address) gets no placement, and c
 make the connector drop a link (as its own, or a twin) with an id it merely claims; a
 stranger relaying a handshake between two replicas cannot tag a line of its own (it lacks
 K), and replayed or reordered lines fail the sequence number in the tag.
+
+Both sides must speak the same line protocol (`PROTOCOL`, V in the MAC as "v2"): a
+connector does not answer an opening of another version (or none: a release before
+versions), and a listener refuses an answer of another; each logs it. Replicas of two
+releases whose lines mean different things do not link: during a rolling upgrade each
+places alone until both run the same one, rather than count what the other says wrongly.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ from dataclasses import dataclass
 import orjson
 
 TAG_BYTES = 32  # hex characters of a line's tag (128 bits)
+# The feed's line protocol (placement_feed.py): 2 since every request and its end are
+# told (`LOAD`, `DONE` lines), which a replica of the release before (no version in its
+# handshake) would count as placements. Raise it whenever a line's meaning changes.
+PROTOCOL = 2
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,7 @@ class Hello:
 
     def opening(self, nonce: str) -> bytes:
         """What the listening side says first."""
-        return orjson.dumps({"nonce": nonce, "id": self.ident}) + b"\n"
+        return orjson.dumps({"nonce": nonce, "id": self.ident, "v": PROTOCOL}) + b"\n"
 
     def answer(self, line: bytes) -> tuple[Pending, bytes] | None:
         """The connecting side's answer to an opening line, and what it then waits to see
@@ -50,22 +60,28 @@ class Hello:
         if len(nonce) > 128 or len(peer) > 512:
             return None
         mine = secrets.token_hex(16)
-        mac = self._mac("connector", nonce, mine, self.ident, peer)
-        out = orjson.dumps({"id": self.ident, "nonce": mine, "mac": mac}) + b"\n"
+        mac = self._mac("connector", nonce, mine, self.ident, peer, _VERSION)
+        out = orjson.dumps({"id": self.ident, "nonce": mine, "v": PROTOCOL, "mac": mac}) + b"\n"
         return Pending(nonce, mine, peer), out
 
     def check(self, nonce: str, line: bytes) -> tuple[str, bytes, bytes]:
         """The listening side's verdict on an answer to its `nonce`: ('ok' or 'self', the
-        proof to send back, the session key), or ('bad', b'', b'')."""
+        proof to send back, the session key), ('version', b'', b'') for an answer with
+        the token of another protocol (a replica of another release: its MAC holds under
+        the version it claims, or under none), or ('bad', b'', b'')."""
         doc = _object(line)
         peer, theirs, mac = doc.get("id"), doc.get("nonce"), doc.get("mac")
         if not (isinstance(peer, str) and isinstance(theirs, str) and isinstance(mac, str)):
             return "bad", b"", b""
         if len(peer) > 512 or len(theirs) > 128:
             return "bad", b"", b""
-        expected = self._mac("connector", nonce, theirs, peer, self.ident)
+        version = doc.get("v")
+        said = (f"v{version}",) if isinstance(version, int) else ()
+        expected = self._mac("connector", nonce, theirs, peer, self.ident, *said)
         if not hmac.compare_digest(mac.encode(), expected.encode()):
             return "bad", b"", b""
+        if version != PROTOCOL:
+            return "version", b"", b""
         itself = peer == self.ident
         proof = self._mac("listener", nonce, theirs, self.ident, peer)
         out = orjson.dumps({"mac": proof, "self": itself}) + b"\n"
@@ -85,6 +101,15 @@ class Hello:
 
     def _key(self, listener_nonce: str, connector_nonce: str) -> bytes:
         return bytes.fromhex(self._mac("session", listener_nonce, connector_nonce))
+
+
+def protocol_of(line: bytes) -> object:
+    """The protocol a handshake line says it speaks (None: no version, or not one); a
+    connector answers only an opening of `PROTOCOL`."""
+    return _object(line).get("v")
+
+
+_VERSION = f"v{PROTOCOL}"  # (in the connector's MAC)
 
 
 @dataclass(frozen=True)

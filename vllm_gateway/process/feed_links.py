@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from vllm_gateway.process.feed_handshake import Hello, Pending, tag, untag
+from vllm_gateway.process.feed_handshake import PROTOCOL, Hello, Pending, protocol_of, tag, untag
 
 Endpoint = str | tuple[str, int]  # a unix socket path, or a TCP (host, port)
 
@@ -68,6 +68,7 @@ class Feed(Protocol):
     def peer_is_up(self) -> None: ...
     def linked_to(self, peer: str, link: Link) -> bool: ...
     def drop_link(self, link: Link, itself: bool) -> None: ...
+    def mismatched(self, where: str, version: object) -> None: ...
     def refused_by(self, link: Link) -> None: ...
 
 
@@ -190,6 +191,10 @@ class Link(asyncio.Protocol):
         listener makes this link ready, or drops it as this replica's own or a twin."""
         assert self.transport is not None
         if self.pending is None:
+            if (version := protocol_of(line)) != PROTOCOL:  # another release's feed
+                feed.mismatched(_where(self.endpoint), version)
+                self._abort()  # (tried again later: the peer may be upgraded by then)
+                return
             answered = hello.answer(line)
             if answered is None:  # not a feed of this build: try again later
                 self._abort()
@@ -344,6 +349,9 @@ class Inbound(asyncio.Protocol):
         elif verdict == "bad":
             feed.refused += 1
             self.transport.write(REFUSED)  # type: ignore[attr-defined]
+        elif verdict == "version":  # the token, but another release: no link (logged)
+            feed.mismatched(_where(self.transport.get_extra_info("peername")), protocol_of(line))
+            self.transport.write(REFUSED)  # type: ignore[attr-defined]
         else:
             feed.dropped += 1  # (proven, but no room: MAX_INBOUND)
         self.close(gently=True)
@@ -358,3 +366,10 @@ class Inbound(asyncio.Protocol):
             else:
                 self.transport.abort()  # type: ignore[attr-defined]
         self.buffer.clear()
+
+
+def _where(endpoint: object) -> str:
+    """A link's endpoint or a connection's peer address, for a log line."""
+    if isinstance(endpoint, tuple) and len(endpoint) >= 2:
+        return f"{endpoint[0]}:{endpoint[1]}"
+    return str(endpoint)

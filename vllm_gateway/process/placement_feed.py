@@ -54,7 +54,7 @@ import orjson
 from vllm_gateway.dispatch.prefix_hash import MAX_BLOCKS
 from vllm_gateway.errors import CannotListen
 from vllm_gateway.log import get_logger
-from vllm_gateway.process.feed_handshake import Hello
+from vllm_gateway.process.feed_handshake import PROTOCOL, Hello
 from vllm_gateway.process.feed_links import Endpoint, Inbound, Link
 
 log = get_logger("vllm_gateway.placement_feed")
@@ -129,6 +129,8 @@ class PlacementFeed:
         self.dropped = 0  # placements not told to one (away, too slow), lines not parsed
         self.refused = 0  # connections in whose answer did not prove the token (peers)
         self._refused_at = -LOG_EVERY
+        self.mismatches = 0  # handshakes of another feed protocol, either side
+        self._mismatch_at = -LOG_EVERY
         self._logged_drops = 0
         self._logged_at = self._failed_at = self._unresolved_at = -LOG_EVERY
 
@@ -201,6 +203,22 @@ class PlacementFeed:
                 "a peer replica refused this one's token",
                 peer=peer,
                 hint="every replica needs the same VLLM_GATEWAY_REPLICAS_TOKEN (replicas.token)",
+            )
+
+    def mismatched(self, where: str, version: object) -> None:
+        """A peer at `where` speaks another feed protocol (`version`, as its handshake
+        said; None: none, a release before versions): no link with it (logged once a
+        minute)."""
+        self.mismatches += 1
+        if time.monotonic() - self._mismatch_at > LOG_EVERY:
+            self._mismatch_at = time.monotonic()
+            log.error(
+                "a peer replica speaks another placement feed protocol",
+                peer=where,
+                theirs=version if isinstance(version, int) else None,
+                ours=PROTOCOL,
+                hint="placements are shared only between replicas of one release: during "
+                "a rolling upgrade each places alone until all run the same one",
             )
 
     async def _resolving(self, name: tuple[str, int]) -> None:
