@@ -238,31 +238,38 @@ async def test_a_listener_without_the_token_is_told_nothing_and_cannot_drop_the_
         await server.wait_closed()
 
 
-async def test_replicas_of_two_feed_protocols_do_not_link(fake_worker, gateway):
+async def test_replicas_of_two_feed_protocols_do_not_link(fake_worker, gateway, monkeypatch):
     """A rolling upgrade: a replica of the release before versions (its handshake says
     none; it would count this release's request and end lines as placements) beside one
-    of this. This one does not answer the older listener's opening, and refuses the older
-    connector's answer though its MAC proves the token; each counts it (`mismatched`,
-    not `refused`: the token is right), and no line of the older one is applied."""
+    of this. This one does not answer the older listener's opening, and closes on the
+    older connector's answer though its MAC proves the token, saying nothing (the older
+    one would read `refused` as a wrong token); it counts it (`mismatched`, not
+    `refused`), and no line of the older one, tagged as it tags them, is applied. A
+    version as a float (`2.0 == 2`) added by anyone on the path does not pass; a first
+    line that is no opening (another service at the address) is no mismatch."""
+    monkeypatch.setattr(feed_links, "RECONNECT_SECONDS", 60.0)  # one connection each
     seen: list[bytes] = []
-    ended = asyncio.Event()
+    openings = [b'{"nonce": "n", "id": "an older replica"}', b"SSH-2.0-OpenSSH_9.2"]
 
     async def old_listener(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(b'{"nonce": "n", "id": "an older replica"}\n')
+        writer.write(openings[len(seen)] + b"\n")
         seen.append(await reader.read())  # whatever the new one says, until it closes
-        ended.set()
 
     server = await asyncio.start_server(old_listener, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    new = PlacementFeed(None, [("127.0.0.1", port)], lambda *p: None,
-                        hello=feed_handshake.Hello(TOKEN, "a new replica"))  # fmt: skip
-    await new.open()
     try:
-        await asyncio.wait_for(ended.wait(), timeout=5)
-        assert seen == [b""] and new.mismatches == 1 and new.refused == 0
-        assert new.connected() == 0
+        for expected in (1, 0):  # the older opening: a mismatch; then another service
+            new = PlacementFeed(None, [("127.0.0.1", port)], lambda *p: None,
+                                hello=feed_handshake.Hello(TOKEN, "a new replica"))  # fmt: skip
+            before = len(seen)
+            await new.open()
+            try:
+                await wait_until(lambda b=before: len(seen) > b, timeout=5)
+                assert seen[-1] == b"" and new.connected() == 0 and new.refused == 0
+                assert new.mismatches == expected
+            finally:
+                await new.close()
     finally:
-        await new.close()
         server.close()
         await server.wait_closed()
     # An older connector, with the token, at a gateway of this release.
@@ -271,19 +278,23 @@ async def test_replicas_of_two_feed_protocols_do_not_link(fake_worker, gateway):
     gw = await gateway(
         [w], policy="cache_aware", replicas=ReplicasConfig(listen=f"127.0.0.1:{port}", token=TOKEN)
     )
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    opening = json.loads(await asyncio.wait_for(reader.readline(), timeout=5))
-    assert opening["v"] == feed_handshake.PROTOCOL
-    old, mine = feed_handshake.Hello(TOKEN, "an older replica"), "0" * 32
-    mac = old._mac("connector", opening["nonce"], mine, old.ident, opening["id"])  # (no v)
-    answer = json.dumps({"id": old.ident, "nonce": mine, "mac": mac}).encode()
+    old = feed_handshake.Hello(TOKEN, "an older replica")
     line = b'[["m", "%s", 5, 0, [1, 2, 3]]]' % w.url.encode()
-    writer.write(answer + b"\n" + line + b"\n")
-    assert await asyncio.wait_for(reader.read(), timeout=5) == feed_links.REFUSED
-    writer.close()
+    for extra in ({}, {"v": 2.0}):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        opening = json.loads(await asyncio.wait_for(reader.readline(), timeout=5))
+        assert opening["v"] == feed_handshake.PROTOCOL
+        mine = "0" * 32
+        mac = old._mac("connector", opening["nonce"], mine, old.ident, opening["id"])  # (no v)
+        answer = json.dumps({"id": old.ident, "nonce": mine, "mac": mac, **extra}).encode()
+        key = old._key(opening["nonce"], mine)  # the older release tagged its lines too
+        writer.write(answer + b"\n" + feed_handshake.tag(key, 0, line) + b"\n")
+        assert await asyncio.wait_for(reader.read(), timeout=5) == b""  # closed, no word
+        writer.close()
+        await writer.wait_closed()
     name = "vllm_gateway_replica_placements_total"
     counts = await metric_lines(gw.url, name)
-    assert counts[name + '{result="mismatched"}'] == 1
+    assert counts[name + '{result="mismatched"}'] == 2
     assert counts[name + '{result="refused"}'] == counts[name + '{result="applied"}'] == 0
     assert gw.app[DISPATCHER].policy.shares == {}
 

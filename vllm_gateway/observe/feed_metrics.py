@@ -26,8 +26,9 @@ def feed_metrics(w: Writer, feed: PlacementFeed, peers: bool = False) -> None:
         "placement if any, or its end), applied from them (applied), lost (dropped: not "
         "told to one away or too slow to read, or a line that failed)"
         + (
-            ", connections refused for a wrong token (refused), and handshakes with a "
-            "replica of another feed protocol, either side (mismatched: another release)."
+            ", connections refused (refused: a wrong token, or a forged or replayed "
+            "line), and handshakes with a replica of another feed protocol, either side "
+            "(mismatched: another release)."
             if peers
             else "."
         ),

@@ -15,9 +15,11 @@ K), and replayed or reordered lines fail the sequence number in the tag.
 
 Both sides must speak the same line protocol (`PROTOCOL`, V in the MAC as "v2"): a
 connector does not answer an opening of another version (or none: a release before
-versions), and a listener refuses an answer of another; each logs it. Replicas of two
-releases whose lines mean different things do not link: during a rolling upgrade each
-places alone until both run the same one, rather than count what the other says wrongly.
+versions), and a listener closes on an answer whose MAC proves the token under another
+version (or none), saying nothing (an older release would read `refused` as a wrong
+token); this release logs it. Replicas of two releases whose lines mean different things
+do not link: during a rolling upgrade the two releases share nothing with each other,
+rather than count what the other says wrongly.
 """
 
 from __future__ import annotations
@@ -75,8 +77,8 @@ class Hello:
             return "bad", b"", b""
         if len(peer) > 512 or len(theirs) > 128:
             return "bad", b"", b""
-        version = doc.get("v")
-        said = (f"v{version}",) if isinstance(version, int) else ()
+        version = _version(doc)
+        said = (f"v{version}",) if version is not None else ()
         expected = self._mac("connector", nonce, theirs, peer, self.ident, *said)
         if not hmac.compare_digest(mac.encode(), expected.encode()):
             return "bad", b"", b""
@@ -103,10 +105,21 @@ class Hello:
         return bytes.fromhex(self._mac("session", listener_nonce, connector_nonce))
 
 
-def protocol_of(line: bytes) -> object:
-    """The protocol a handshake line says it speaks (None: no version, or not one); a
-    connector answers only an opening of `PROTOCOL`."""
-    return _object(line).get("v")
+def opening_protocol(line: bytes) -> int | bool | None:
+    """The protocol an opening line says it speaks (None: none, a release before
+    versions); False when the line is no opening (a stranger, another service). A
+    connector answers only an opening of `PROTOCOL`. Unproven: the opening has no MAC."""
+    doc = _object(line)
+    if not (isinstance(doc.get("nonce"), str) and isinstance(doc.get("id"), str)):
+        return False
+    return _version(doc)
+
+
+def _version(doc: dict) -> int | None:
+    """A handshake line's protocol: an int, not a bool or a float (`2.0 == 2`, `True ==
+    1`: a field anyone on the path may add must not pass for this version)."""
+    v = doc.get("v")
+    return v if type(v) is int else None
 
 
 _VERSION = f"v{PROTOCOL}"  # (in the connector's MAC)

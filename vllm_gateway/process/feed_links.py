@@ -30,7 +30,14 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-from vllm_gateway.process.feed_handshake import PROTOCOL, Hello, Pending, protocol_of, tag, untag
+from vllm_gateway.process.feed_handshake import (
+    PROTOCOL,
+    Hello,
+    Pending,
+    opening_protocol,
+    tag,
+    untag,
+)
 
 Endpoint = str | tuple[str, int]  # a unix socket path, or a TCP (host, port)
 
@@ -191,7 +198,8 @@ class Link(asyncio.Protocol):
         listener makes this link ready, or drops it as this replica's own or a twin."""
         assert self.transport is not None
         if self.pending is None:
-            if (version := protocol_of(line)) != PROTOCOL:  # another release's feed
+            version = opening_protocol(line)
+            if version is not False and version != PROTOCOL:  # another release's feed
                 feed.mismatched(_where(self.endpoint), version)
                 self._abort()  # (tried again later: the peer may be upgraded by then)
                 return
@@ -350,8 +358,9 @@ class Inbound(asyncio.Protocol):
             feed.refused += 1
             self.transport.write(REFUSED)  # type: ignore[attr-defined]
         elif verdict == "version":  # the token, but another release: no link (logged)
-            feed.mismatched(_where(self.transport.get_extra_info("peername")), protocol_of(line))
-            self.transport.write(REFUSED)  # type: ignore[attr-defined]
+            # Closed without `refused`, which an older release reads as a wrong token: it
+            # just tries again later, quietly.
+            feed.mismatched(_where(self.transport.get_extra_info("peername")), None)
         else:
             feed.dropped += 1  # (proven, but no room: MAX_INBOUND)
         self.close(gently=True)

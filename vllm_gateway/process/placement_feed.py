@@ -206,9 +206,9 @@ class PlacementFeed:
             )
 
     def mismatched(self, where: str, version: object) -> None:
-        """A peer at `where` speaks another feed protocol (`version`, as its handshake
-        said; None: none, a release before versions): no link with it (logged once a
-        minute)."""
+        """A peer at `where` speaks another feed protocol (`version`, as its opening said;
+        None: none, a release before versions, or not said: an answer proven with the
+        token under another version): no link with it (logged once a minute)."""
         self.mismatches += 1
         if time.monotonic() - self._mismatch_at > LOG_EVERY:
             self._mismatch_at = time.monotonic()
