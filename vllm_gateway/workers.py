@@ -193,10 +193,10 @@ class Worker:
         self.sent_since_scrape = self.finished_since_scrape = 0  # sent, ended since `stats`
         self.stats: EngineStats | None = None  # None: never scraped, or the snapshot is stale
         # Whether its KV cache has been seen to bind: vLLM kept requests waiting while it
-        # ran far fewer than it has run (dispatch/kv_queue.py). Then `kv_free`: the tokens
-        # its free KV blocks hold at its last scrape, (1 - vllm:kv_cache_usage_perc) x its
+        # ran far fewer than it has run (dispatch/kv_queue.py). `kv_free`: the tokens its
+        # free KV blocks hold at its last scrape, (1 - vllm:kv_cache_usage_perc) x its
         # cache size (usage counts the blocks running requests hold; cached blocks nobody
-        # holds are free to evict). Infinite otherwise, or while not reported (or stale).
+        # holds are free to evict); infinite while not reported (or stale).
         self.kv_binds = False
         self.kv_free = math.inf
         self.token_bytes = 0.0  # request bytes per prompt token, measured (kv_queue.py); 0: not yet

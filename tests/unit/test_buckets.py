@@ -582,9 +582,13 @@ def test_the_largest_body_counts_from_when_it_was_sent():
         # prompt (10000 tokens) was sent before each.
         ([(8, 0, 0.5), (3, 2, 0.9)], True, 1600.0),  # a queue at 3 after running 8: the KV's
         ([(8, 0, 0.5), (3, 2, 0.9), (1, 0, 0.25)], True, 12000.0),  # ...and stays known
-        ([(8, 0, 0.5), (8, 2, 1.0)], False, math.inf),  # a queue at its most: the batch's
-        ([(8, 0, 0.5), (7, 2, 1.0)], False, math.inf),  # a scrape a request short: still
-        ([(8, 0, 0.1), (3, 2, 0.1)], False, math.inf),  # room for the prompt: not the KV's
+        ([(8, 0, 0.5), (8, 2, 0.75)], False, 4000.0),  # a queue at its most: the batch's
+        ([(8, 0, 0.5), (7, 2, 0.75)], False, 4000.0),  # a scrape a request short: still
+        # Full, with no queue of the cache's (over-committing): nothing said of room...
+        ([(8, 0, 0.5), (8, 2, 1.0)], False, math.inf),
+        ([(8, 0, 0.5), (3, 2, 1.0)], True, 0.0),  # ...but full where it binds: none
+        ([(8, 0, 0.1), (3, 2, 0.1)], False, 14400.0),  # room for the prompt: not the KV's
+        ([(8, 0, 0.5)], False, 8000.0),  # no queue yet: its free blocks count all the same
         ([(8, 0, None), (3, 2, None)], False, math.inf),  # no cache reported
     ],
 )
@@ -592,9 +596,12 @@ def test_a_worker_whose_kv_cache_binds_is_told_from_one_whose_batch_does(
     scrapes: list[tuple[float, float, float | None]], binds: bool, free: float
 ) -> None:
     """vLLM keeps requests waiting for KV blocks while it runs fewer than its batch holds;
-    a full batch queues at its most. Only a worker seen doing the first has its free KV
-    blocks counted (`Worker.kv_free`, tokens) by placement (docs/dispatch.md "No copy
-    into a full KV cache"): one whose cache is over-committed reads usage 1.0 for good."""
+    a full batch queues at its most. Only a worker seen doing the first is marked binding
+    (the admission queue's patience reads it); every worker that reports its cache has its
+    free KV blocks counted (`Worker.kv_free`, tokens) for placement from its first scrape
+    (docs/dispatch.md "No copy into a full KV cache"), as vLLM makes a prompt wait for
+    blocks from its first request on; but a cache read full with no queue of its own (an
+    engine that over-commits or preempts reads 1.0 while it admits) only once it binds."""
     registry, w, b = setup()
     for i, (running, waiting, usage) in enumerate(scrapes):
         b.take(w, True, 40_000)
@@ -623,8 +630,8 @@ def test_a_restarted_worker_is_learned_anew_not_kept_binding(
     after: list[tuple[float | None, float | None, float]], binds: bool
 ) -> None:
     """`kv_binds` is about one engine: a worker that restarts (its counters go back) or
-    comes back with another cache size is no longer taken as binding, so its free blocks
-    (`kv_free`) no longer hold placement back until its own queues say so again; and the
+    comes back with another cache size is no longer taken as binding (the admission
+    queue's patience waits for it no longer) until its own queues say so again; and the
     most it was seen running is the new engine's, so a short queue right after the
     restart (its batch not seen full yet) does not mark it again."""
     registry, w, b = setup()
@@ -650,8 +657,8 @@ def test_a_restarted_worker_is_learned_anew_not_kept_binding(
         )
         at += 0.25
     assert w.kv_binds is binds
-    if after[-1][0] is not None:  # (without a size, no free blocks are counted either way)
-        assert (w.kv_free < math.inf) is binds
+    # Free blocks counted whenever the page gives the cache's size, binding or not.
+    assert (w.kv_free < math.inf) is (after[-1][0] is not None)
     b.take(w, True, 40_000)  # one queued at its new most (1): its batch's, not the KV's
     registry.set_stats(
         w,

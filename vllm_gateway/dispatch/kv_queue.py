@@ -8,10 +8,16 @@ queue is taken for the KV cache's when the free part of the cache
 than the largest prompt sent to the worker lately may need: the largest request body,
 at `BYTES_PER_TOKEN`, halving every `HALF_LIFE` seconds from when it was sent
 (`KvEvidence.bound`). Such a queue while the worker runs well under the most it has
-run marks its KV cache as binding (`Worker.kv_binds`), and from then on its free blocks
-are counted (`Worker.kv_free`); `has_kv_room` reads them for placement
-(docs/dispatch.md "No copy into a full KV cache"). That holds until the worker restarts
-(its counters go back, or its cache has another size): a new engine is learned anew.
+run marks its KV cache as binding (`Worker.kv_binds`: the admission queue's patience
+reads it), until the worker restarts (its counters go back, or its cache has another
+size): a new engine is learned anew. Its free blocks (`Worker.kv_free`) are counted from
+every scrape that reports its cache, binding seen or not (but a cache read full, usage
+1.0, only once binding: an engine that over-commits or preempts reads 1.0 while it
+admits); `has_kv_room` reads them for
+placement (docs/dispatch.md "No copy into a full KV cache"): vLLM keeps a prompt waiting
+while its blocks do not fit, from its first request on, and a copy sent there before
+any queue taught `kv_binds` scattered documents over every worker (measured:
+docs/dispatch-rounds.md).
 
 Bytes per token (`TokenBytes`, `Worker.token_bytes`): the mean body this process sends the
 worker over the mean prompt its own counters say it processed per request started
@@ -141,9 +147,10 @@ class KvEvidence:
         """A scrape: the peak decays since the last one, then takes in the largest body
         sent since; and whether the worker's KV cache binds (`Worker.kv_binds`: a queue
         the KV cache may cause, while it runs less than `KV_BINDS_BELOW` of its most),
-        from then on with its free blocks (`Worker.kv_free`); and its bytes per token
-        (`Worker.token_bytes`). True when the worker restarted (`_restarted`): what was
-        learned of the old engine is dropped here, and the caller drops its own."""
+        and its free blocks (`Worker.kv_free`, whenever the page reports its cache); and
+        its bytes per token (`Worker.token_bytes`). True when the worker restarted
+        (`_restarted`): what was learned of the old engine is dropped here, and the caller
+        drops its own."""
         at = stats.at
         since = max(0.0, at - self.at) if self.at is not None else 0.0
         self.peak *= 0.5 ** (since / HALF_LIFE)
@@ -166,7 +173,9 @@ class KvEvidence:
             below = running < KV_BINDS_BELOW * self.most
             worker.kv_binds = stats.waiting > 0 and below and self.bound(stats)
         usage, size = stats.kv_cache_usage, stats.cache_tokens
-        if worker.kv_binds and usage is not None and size:
+        # A full cache with no queue for it (an engine that over-commits, or preempts, reads
+        # 1.0 while it admits) says nothing of room: counted once a queue showed it binding.
+        if usage is not None and size and (usage < 1.0 or worker.kv_binds):
             worker.kv_free = max(0.0, 1.0 - usage) * size
         return restarted
 
