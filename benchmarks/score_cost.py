@@ -13,7 +13,9 @@ the default before `cache_aware`, so the difference is what the new default adds
 
 `cache_aware, owing` is the same with every worker owing a prefill backlog (0-40 KB of
 prompt not yet answered, `Worker.backlog`): the backlog rule (dispatch/backlog.py) then
-runs for every request, its worst case.
+runs for every request, its worst case. `cache_aware, KV held` has every worker report a
+KV cache 90% held, less free than an 8 KB prompt needs: the KV room check
+(`_with_kv_room`) then runs for every 8 KB request, its worst case.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ POLICIES = ("round_robin", "queue", "cache_aware")
 SYSTEM = "You are a careful assistant who answers in full sentences. " * 26  # ~1.5 KB
 
 
-def _fleet(n: int, owing: bool = False) -> WorkerRegistry:
+def _fleet(n: int, owing: bool = False, held: bool = False) -> WorkerRegistry:
+    """`n` ready workers with a scrape each; `owing`: a prefill backlog each; `held`: each
+    reports a KV cache of 10,000 tokens 90% held (less free than an 8 KB prompt needs, so
+    cache_aware checks every candidate's room for what it would prefill there)."""
     registry = WorkerRegistry()
     rng = random.Random(n)
     owed = random.Random(n + 1)  # (its own stream: the same fleet owing or not)
@@ -45,7 +50,11 @@ def _fleet(n: int, owing: bool = False) -> WorkerRegistry:
         w, _ = registry.add(f"http://127.0.{i // 250}.{i % 250 + 1}:8000", models=("m",))
         registry.set_state(w, WorkerState.READY, "bench")
         w.pace = 0.5 + rng.random()
-        registry.set_stats(w, EngineStats(rng.randrange(8), 0, 0.3, time.monotonic()))
+        running = rng.randrange(8)
+        if held:
+            registry.set_stats(w, EngineStats(running, 0, 0.9, time.monotonic(), 10_000.0))
+        else:
+            registry.set_stats(w, EngineStats(running, 0, 0.3, time.monotonic()))
         if owing:  # prompt bytes sent and not yet answered (the lease adds and takes off)
             w.backlog = owed.randrange(40_000)
     return registry
@@ -71,10 +80,10 @@ def _bodies(conversations: int, size: int) -> list[bytes]:
 
 
 async def _dispatch_cpu(
-    policy_name: str, workers: int, size: int, count: int, owing: bool = False
+    policy_name: str, workers: int, size: int, count: int, owing: bool = False, held: bool = False
 ) -> float:
     """CPU microseconds per dispatch (lease in and out) for `count` dispatches."""
-    registry = _fleet(workers, owing)
+    registry = _fleet(workers, owing, held)
     policy = make_policy(policy_name, random.Random(1), DispatchConfig())
     dispatcher = Dispatcher(registry, policy, config=DispatchConfig())
     bodies = _bodies(512, size)
@@ -106,20 +115,22 @@ def mode_score(args: argparse.Namespace, router_bin: str | None) -> dict:
         f"{w} workers {s // 1024 or s}{'KB' if s >= 1024 else 'B'}".rjust(18) for w, s in cases
     )
     print(header)
-    for name, owing in [(p, False) for p in POLICIES] + [("cache_aware", True)]:
-        label = f"{name}, owing" if owing else name
+    variants = [(p, False, False) for p in POLICIES]
+    variants += [("cache_aware", True, False), ("cache_aware", False, True)]
+    for name, owing, held in variants:
+        label = f"{name}, owing" if owing else f"{name}, KV held" if held else name
         row = label.ljust(28)
         for workers, size in cases:
             runs = [
-                asyncio.run(_dispatch_cpu(name, workers, size, count, owing))
+                asyncio.run(_dispatch_cpu(name, workers, size, count, owing, held))
                 for _ in range(args.runs)
             ]
             figure = statistics.median(runs)
             results[f"{label}/{workers}/{size}"] = figure
             row += f"{figure:18.2f}"
         print(row)
-    for label in ("cache_aware", "cache_aware, owing"):
-        key = "added" if label == "cache_aware" else "added owing"
+    for label in ("cache_aware", "cache_aware, owing", "cache_aware, KV held"):
+        key = {"cache_aware": "added", "cache_aware, owing": "added owing"}.get(label, "added held")
         for workers, size in cases:
             added = results[f"{label}/{workers}/{size}"] - results[f"queue/{workers}/{size}"]
             results[f"{key}/{workers}/{size}"] = added

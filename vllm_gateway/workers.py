@@ -196,7 +196,8 @@ class Worker:
         # ran far fewer than it has run (dispatch/kv_queue.py). `kv_free`: the tokens its
         # free KV blocks hold at its last scrape, (1 - vllm:kv_cache_usage_perc) x its
         # cache size (usage counts the blocks running requests hold; cached blocks nobody
-        # holds are free to evict); infinite while not reported (or stale).
+        # holds are free to evict); infinite while not reported (or stale), and while read
+        # full (1.0) with no queue on a worker not known to bind (it admits regardless).
         self.kv_binds = False
         self.kv_free = math.inf
         self.token_bytes = 0.0  # request bytes per prompt token, measured (kv_queue.py); 0: not yet

@@ -584,9 +584,10 @@ def test_the_largest_body_counts_from_when_it_was_sent():
         ([(8, 0, 0.5), (3, 2, 0.9), (1, 0, 0.25)], True, 12000.0),  # ...and stays known
         ([(8, 0, 0.5), (8, 2, 0.75)], False, 4000.0),  # a queue at its most: the batch's
         ([(8, 0, 0.5), (7, 2, 0.75)], False, 4000.0),  # a scrape a request short: still
-        # Full, with no queue of the cache's (over-committing): nothing said of room...
-        ([(8, 0, 0.5), (8, 2, 1.0)], False, math.inf),
-        ([(8, 0, 0.5), (3, 2, 1.0)], True, 0.0),  # ...but full where it binds: none
+        # Read full with no queue (over-committing, it admits): nothing said of room...
+        ([(8, 0, 0.5), (9, 0, 1.0)], False, math.inf),
+        ([(8, 0, 0.5), (8, 2, 1.0)], False, 0.0),  # ...full with a queue: none...
+        ([(8, 0, 0.5), (3, 2, 1.0)], True, 0.0),  # ...and full where it binds: none
         ([(8, 0, 0.1), (3, 2, 0.1)], False, 14400.0),  # room for the prompt: not the KV's
         ([(8, 0, 0.5)], False, 8000.0),  # no queue yet: its free blocks count all the same
         ([(8, 0, None), (3, 2, None)], False, math.inf),  # no cache reported
@@ -600,8 +601,8 @@ def test_a_worker_whose_kv_cache_binds_is_told_from_one_whose_batch_does(
     (the admission queue's patience reads it); every worker that reports its cache has its
     free KV blocks counted (`Worker.kv_free`, tokens) for placement from its first scrape
     (docs/dispatch.md "No copy into a full KV cache"), as vLLM makes a prompt wait for
-    blocks from its first request on; but a cache read full with no queue of its own (an
-    engine that over-commits or preempts reads 1.0 while it admits) only once it binds."""
+    blocks from its first request on; but not a cache read full with no queue while not
+    binding (an engine that over-commits or preempts reads 1.0 while it admits)."""
     registry, w, b = setup()
     for i, (running, waiting, usage) in enumerate(scrapes):
         b.take(w, True, 40_000)

@@ -12,8 +12,8 @@ run marks its KV cache as binding (`Worker.kv_binds`: the admission queue's pati
 reads it), until the worker restarts (its counters go back, or its cache has another
 size): a new engine is learned anew. Its free blocks (`Worker.kv_free`) are counted from
 every scrape that reports its cache, binding seen or not (but a cache read full, usage
-1.0, only once binding: an engine that over-commits or preempts reads 1.0 while it
-admits); `has_kv_room` reads them for
+1.0, with no queue, not at all: an engine that over-commits or preempts reads 1.0 while
+it admits); `has_kv_room` reads them for
 placement (docs/dispatch.md "No copy into a full KV cache"): vLLM keeps a prompt waiting
 while its blocks do not fit, from its first request on, and a copy sent there before
 any queue taught `kv_binds` scattered documents over every worker (measured:
@@ -147,7 +147,8 @@ class KvEvidence:
         """A scrape: the peak decays since the last one, then takes in the largest body
         sent since; and whether the worker's KV cache binds (`Worker.kv_binds`: a queue
         the KV cache may cause, while it runs less than `KV_BINDS_BELOW` of its most),
-        and its free blocks (`Worker.kv_free`, whenever the page reports its cache); and
+        and its free blocks (`Worker.kv_free`, whenever the page reports its cache, but
+        not read full with no queue while not binding); and
         its bytes per token (`Worker.token_bytes`). True when the worker restarted
         (`_restarted`): what was learned of the old engine is dropped here, and the caller
         drops its own."""
@@ -173,9 +174,10 @@ class KvEvidence:
             below = running < KV_BINDS_BELOW * self.most
             worker.kv_binds = stats.waiting > 0 and below and self.bound(stats)
         usage, size = stats.kv_cache_usage, stats.cache_tokens
-        # A full cache with no queue for it (an engine that over-commits, or preempts, reads
-        # 1.0 while it admits) says nothing of room: counted once a queue showed it binding.
-        if usage is not None and size and (usage < 1.0 or worker.kv_binds):
+        # A cache read full with no queue (an engine that over-commits, or preempts, reads
+        # 1.0 while it admits) says nothing of room; with a queue, or once a queue showed
+        # it binding, it has none.
+        if usage is not None and size and (usage < 1.0 or worker.kv_binds or stats.waiting):
             worker.kv_free = max(0.0, 1.0 - usage) * size
         return restarted
 

@@ -401,7 +401,8 @@ def describe_worker(w: Worker, now: float) -> dict[str, object]:
         "waiting": stats.waiting if stats else None,
         "kv_cache_usage": stats.kv_cache_usage if stats else None,
         # Whether its KV cache was seen to bind, the tokens its free blocks held at the
-        # last scrape (null: not counted), and the request bytes per prompt token measured
+        # last scrape (null: not reported, stale, or read full with no queue while not
+        # binding), and the request bytes per prompt token measured
         # for it (null: not yet): dispatch/kv_queue.py. Its time to a streamed first byte
         # per KiB of prefill owed (null: not yet): dispatch/prefill_rate.py.
         "kv_binds": w.kv_binds,

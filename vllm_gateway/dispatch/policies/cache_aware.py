@@ -229,7 +229,7 @@ class CacheAware:
         holders, depth = self.index.deepest(blocks.blocks, candidates)
         self._holders, self._depth = holders, depth
         view = LoadView.of(candidates)
-        if view is None or view.kv_least * BYTES_PER_TOKEN < blocks.size:  # (seldom)
+        if view is None or view.kv_least * BYTES_PER_TOKEN < blocks.size:  # (a cache held)
             roomy = self._with_kv_room(candidates, blocks, preamble)
             if len(roomy) < len(candidates):
                 candidates, holders = roomy, [w for w in holders if w in roomy]
@@ -285,7 +285,12 @@ class CacheAware:
         (`has_kv_room`); all of them when none does. Elsewhere vLLM keeps it waiting for
         blocks, and every request behind it: copying a document or a history into a full
         cache stalls a worker, where its holder would have prefilled a few blocks."""
-        roomy = [w for w in candidates if has_kv_room(w, self._uncached(w, blocks, preamble))]
+        size = blocks.size  # (room for the whole prompt is room for any part of it: cheap)
+        roomy = [
+            w
+            for w in candidates
+            if has_kv_room(w, size) or has_kv_room(w, self._uncached(w, blocks, preamble))
+        ]
         return roomy or candidates
 
     def _back_home(
