@@ -192,12 +192,10 @@ class Worker:
         self.max_num_seqs = max_num_seqs
         self.sent_since_scrape = self.finished_since_scrape = 0  # sent, ended since `stats`
         self.stats: EngineStats | None = None  # None: never scraped, or the snapshot is stale
-        # Whether its KV cache has been seen to bind: vLLM kept requests waiting while it
-        # ran far fewer than it has run (dispatch/kv_queue.py). `kv_free`: the tokens its
-        # free KV blocks hold at its last scrape, (1 - vllm:kv_cache_usage_perc) x its
-        # cache size (usage counts the blocks running requests hold; cached blocks nobody
-        # holds are free to evict); infinite while not reported (or stale), and while read
-        # full (1.0) with no queue on a worker not known to bind (it admits regardless).
+        # Whether its KV cache has been seen to bind (vLLM kept requests waiting while it
+        # ran far fewer than it has run), and `kv_free`: the tokens its free KV blocks hold
+        # at its last scrape; infinite while not reported, stale, or read full with no
+        # queue on a worker not known to bind (dispatch/kv_queue.py).
         self.kv_binds = False
         self.kv_free = math.inf
         self.token_bytes = 0.0  # request bytes per prompt token, measured (kv_queue.py); 0: not yet

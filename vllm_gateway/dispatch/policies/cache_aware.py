@@ -282,16 +282,11 @@ class CacheAware:
         self, candidates: Sequence[Worker], blocks: PrefixBlocks, preamble: int
     ) -> Sequence[Worker]:
         """The candidates whose free KV blocks hold what the request would prefill there
-        (`has_kv_room`); all of them when none does. Elsewhere vLLM keeps it waiting for
-        blocks, and every request behind it: copying a document or a history into a full
-        cache stalls a worker, where its holder would have prefilled a few blocks."""
-        size = blocks.size  # (room for the whole prompt is room for any part of it: cheap)
-        roomy = [
-            w
-            for w in candidates
-            if has_kv_room(w, size) or has_kv_room(w, self._uncached(w, blocks, preamble))
-        ]
-        return roomy or candidates
+        (`has_kv_room`), else all. Elsewhere vLLM keeps it waiting for blocks, and every
+        request behind it: a copy into a full cache stalls a worker (its holder: a block)."""
+        n, u, p = blocks.size, self._uncached, preamble  # (room for all of it first: cheap)
+        room = [w for w in candidates if has_kv_room(w, n) or has_kv_room(w, u(w, blocks, p))]
+        return room or candidates
 
     def _back_home(
         self,
