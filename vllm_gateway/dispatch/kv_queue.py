@@ -13,11 +13,10 @@ reads it), until the worker restarts (its counters go back, or its cache has ano
 size): a new engine is learned anew. Its free blocks (`Worker.kv_free`) are counted from
 every scrape that reports its cache, binding seen or not (but a cache read full, usage
 1.0, with no queue, not at all: an engine that over-commits or preempts reads 1.0 while
-it admits); `has_kv_room` reads them for
-placement (docs/dispatch.md "No copy into a full KV cache"): vLLM keeps a prompt waiting
-while its blocks do not fit, from its first request on, and a copy sent there before
-any queue taught `kv_binds` scattered documents over every worker (measured:
-docs/dispatch-rounds.md).
+it admits); `has_kv_room` reads them for placement (docs/dispatch.md "No copy into a
+full KV cache"): vLLM keeps a prompt waiting while its blocks do not fit, from its first
+request on, and copies sent before any queue taught `kv_binds` scattered documents over
+every worker (measured: docs/dispatch-rounds.md).
 
 Bytes per token (`TokenBytes`, `Worker.token_bytes`): the mean body this process sends the
 worker over the mean prompt its own counters say it processed per request started
@@ -148,10 +147,9 @@ class KvEvidence:
         sent since; and whether the worker's KV cache binds (`Worker.kv_binds`: a queue
         the KV cache may cause, while it runs less than `KV_BINDS_BELOW` of its most),
         and its free blocks (`Worker.kv_free`, whenever the page reports its cache, but
-        not read full with no queue while not binding); and
-        its bytes per token (`Worker.token_bytes`). True when the worker restarted
-        (`_restarted`): what was learned of the old engine is dropped here, and the caller
-        drops its own."""
+        not read full with no queue while not binding); and its bytes per token
+        (`Worker.token_bytes`). True when the worker restarted (`_restarted`): what was
+        learned of the old engine is dropped here, and the caller drops its own."""
         at = stats.at
         since = max(0.0, at - self.at) if self.at is not None else 0.0
         self.peak *= 0.5 ** (since / HALF_LIFE)
